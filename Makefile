@@ -1,0 +1,50 @@
+# Two entry points: `make demo` (the main job) and `make test` (the whole suite).
+# Both build .venv from nothing on a CPU machine and reuse it afterwards.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Debian packages the suite drives for real: PostgreSQL (multi-node telemetry) and
+# Chromium + ChromeDriver (dashboard browser tests).
+DEB_PACKAGES := postgresql chromium chromium-driver
+
+.PHONY: venv system-deps test test-fast demo lint clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements/cpu.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check --no-deps -r requirements/cpu.lock
+	$(BIN)/pip install --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import sglang, torch, torchvision, xgboost, flask, plotly, sqlalchemy, alembic; print('venv ok: sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+system-deps:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium chromium-driver"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(DEB_PACKAGES); \
+	fi
+
+# pytest exits 5 when it collects no tests: for this suite that means a broken checkout, so
+# it fails `make test` with a message instead of passing silently.
+test: venv system-deps
+	@$(BIN)/python -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; exit 1; fi; \
+	exit $$rc
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow"
+
+demo: venv system-deps
+	$(BIN)/adatree demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,351 @@
+"""One frozen, validated configuration: from a TOML file, the environment and code.
+
+Precedence, lowest first: built-in defaults, the TOML file (``ADATREE_CONFIG`` or an explicit
+path), environment variables ``ADATREE_<NAME>`` (upper case), keyword overrides from code or the
+command line. Every setting is declared once in ``SETTINGS`` with its default, its allowed range
+and a one-line help; ``docs/usage.md`` documents each (a test checks it). A bad value fails at
+start-up with a message naming the key and the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_adatree.shapes import (
+    DEFAULT_CANDIDATES,
+    ShapeError,
+    TreeShape,
+    parse_candidates,
+    validate_candidates,
+)
+
+ENV_PREFIX = "ADATREE_"
+CONFIG_ENV = "ADATREE_CONFIG"
+HOME_ENV = "ADATREE_HOME"
+DB_URL_ENV = "ADATREE_DB_URL"
+
+
+class ConfigError(ValueError):
+    """A configuration value outside its allowed range; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One documented setting: name, default, allowed range (in words) and help."""
+
+    name: str
+    default: Any
+    allowed: str
+    help: str
+    convert: Callable[[Any], Any]
+    check: Callable[[Any], bool] = lambda v: True
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("a bool is not a number")
+    return float(v)
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("not an integer")
+    return int(v)
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a boolean")
+
+
+def _shapes(v: Any) -> tuple[TreeShape, ...]:
+    if isinstance(v, str):
+        return parse_candidates(v)
+    items = []
+    for item in v:
+        if isinstance(item, TreeShape):
+            items.append(item)
+        elif isinstance(item, str):
+            items.append(TreeShape.parse(item))
+        else:
+            items.append(TreeShape(*(int(x) for x in item)))
+    return validate_candidates(items)
+
+
+def _optional_str(v: Any) -> str | None:
+    if v is None:
+        return None
+    text = str(v).strip()
+    return text or None
+
+
+def _default_home() -> str:
+    return str(Path("~/.cache/sglang-adatree").expanduser())
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "candidate_shapes",
+        DEFAULT_CANDIDATES,
+        "'S,K,N' shapes, ';'-separated",
+        "shapes the policy chooses from; '0' is no speculation",
+        _shapes,
+    ),
+    Setting(
+        "objective",
+        "goodput",
+        "goodput",
+        "what decide() maximises: emitted tokens per second of predicted step time",
+        str,
+        lambda v: v in ("goodput",),
+    ),
+    Setting(
+        "min_gain",
+        0.03,
+        "[0, 1]",
+        "hysteresis: leave the current shape only for this relative goodput gain",
+        _float,
+        lambda v: 0.0 <= v <= 1.0,
+    ),
+    Setting(
+        "no_spec_margin",
+        0.05,
+        "[0, 1]",
+        "speculation must beat no speculation by this relative margin",
+        _float,
+        lambda v: 0.0 <= v <= 1.0,
+    ),
+    Setting(
+        "explore_fraction",
+        0.02,
+        "[0, 0.5]",
+        "share of decode steps that measure a rarely chosen shape",
+        _float,
+        lambda v: 0.0 <= v <= 0.5,
+    ),
+    Setting(
+        "explore_seed",
+        0,
+        ">= 0",
+        "seed of the deterministic exploration schedule",
+        _int,
+        lambda v: v >= 0,
+    ),
+    Setting(
+        "warmup_steps",
+        32,
+        "[0, 100000]",
+        "decode steps that cycle through the candidates before the model decides",
+        _int,
+        lambda v: 0 <= v <= 100_000,
+    ),
+    Setting(
+        "acceptance_decay",
+        0.02,
+        "(0, 1]",
+        "weight of the newest verify step in the online acceptance estimates",
+        _float,
+        lambda v: 0.0 < v <= 1.0,
+    ),
+    Setting(
+        "acceptance_prior",
+        0.6,
+        "(0, 1)",
+        "prior probability that the top-ranked draft token is accepted",
+        _float,
+        lambda v: 0.0 < v < 1.0,
+    ),
+    Setting(
+        "acceptance_prior_weight",
+        20.0,
+        "[0, 1e6]",
+        "pseudo-observations behind the acceptance prior",
+        _float,
+        lambda v: 0.0 <= v <= 1e6,
+    ),
+    Setting(
+        "residual_decay",
+        0.05,
+        "(0, 1]",
+        "weight of the newest measured step time in the online cost correction",
+        _float,
+        lambda v: 0.0 < v <= 1.0,
+    ),
+    Setting(
+        "db_url",
+        None,
+        "a SQLAlchemy URL, or empty for SQLite under home",
+        "telemetry database; also ADATREE_DB_URL or --db",
+        _optional_str,
+    ),
+    Setting(
+        "home", None, "a directory", "data directory (models, SQLite, artifacts)", _optional_str
+    ),
+    Setting("record_steps", True, "true / false", "write one telemetry row per decode step", _bool),
+    Setting(
+        "control_poll_s",
+        1.0,
+        "[0.1, 60]",
+        "how often the server reads pins and policy versions from the store",
+        _float,
+        lambda v: 0.1 <= v <= 60.0,
+    ),
+    Setting(
+        "telemetry_queue_size",
+        65536,
+        "[16, 10000000]",
+        "bounded queue between the decode loop and the telemetry writer",
+        _int,
+        lambda v: 16 <= v <= 10_000_000,
+    ),
+    Setting(
+        "telemetry_batch_size",
+        2048,
+        "[1, 1000000]",
+        "rows per insert transaction",
+        _int,
+        lambda v: 1 <= v <= 1_000_000,
+    ),
+    Setting(
+        "telemetry_flush_s",
+        0.5,
+        "[0.01, 60]",
+        "longest time a recorded row waits before it is written",
+        _float,
+        lambda v: 0.01 <= v <= 60.0,
+    ),
+    Setting(
+        "retention_hours",
+        24.0,
+        "[0.01, 1e6]",
+        "per-step rows older than this are rolled up into per-minute aggregates",
+        _float,
+        lambda v: 0.01 <= v <= 1e6,
+    ),
+)
+
+SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class AdaTreeConfig:
+    """The effective configuration; build it with ``load_config``, never mutate it."""
+
+    candidate_shapes: tuple[TreeShape, ...] = DEFAULT_CANDIDATES
+    objective: str = "goodput"
+    min_gain: float = 0.03
+    no_spec_margin: float = 0.05
+    explore_fraction: float = 0.02
+    explore_seed: int = 0
+    warmup_steps: int = 32
+    acceptance_decay: float = 0.02
+    acceptance_prior: float = 0.6
+    acceptance_prior_weight: float = 20.0
+    residual_decay: float = 0.05
+    db_url: str | None = None
+    home: str | None = None
+    record_steps: bool = True
+    control_poll_s: float = 1.0
+    telemetry_queue_size: int = 65536
+    telemetry_batch_size: int = 2048
+    telemetry_flush_s: float = 0.5
+    retention_hours: float = 24.0
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            _validate(setting, getattr(self, setting.name), source="config")
+
+    @property
+    def home_dir(self) -> Path:
+        """The data directory, created on first use by whoever writes there."""
+        return Path(self.home or _default_home()).expanduser()
+
+    @property
+    def resolved_db_url(self) -> str:
+        """The telemetry URL: ``db_url`` or SQLite ``adatree.sqlite`` in the data directory."""
+        if self.db_url:
+            return self.db_url
+        return f"sqlite:///{self.home_dir / 'adatree.sqlite'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready values (shapes as 'S,K,N' strings) for the runs table."""
+        out: dict[str, Any] = {}
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if setting.name == "candidate_shapes":
+                value = [str(s) for s in value]
+            out[setting.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> AdaTreeConfig:
+        """A copy with some settings changed, converted and validated like any other source."""
+        converted = {k: _convert(k, v, source="code") for k, v in changes.items()}
+        return dataclasses.replace(self, **converted)
+
+
+def _validate(setting: Setting, value: Any, source: str) -> None:
+    if value is None and setting.default is None:
+        return
+    if not setting.check(value):
+        raise ConfigError(f"{setting.name} = {value!r} (from {source}): allowed {setting.allowed}")
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    setting = SETTINGS_BY_NAME.get(name)
+    if setting is None:
+        known = ", ".join(sorted(SETTINGS_BY_NAME))
+        raise ConfigError(f"unknown setting {name!r} (from {source}); known: {known}")
+    try:
+        converted = setting.convert(value) if value is not None else None
+    except (ShapeError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"{name} = {value!r} (from {source}): {exc}; allowed {setting.allowed}"
+        ) from exc
+    _validate(setting, converted, source)
+    return converted
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> AdaTreeConfig:
+    """Defaults < TOML file (``path`` or ``$ADATREE_CONFIG``) < ``ADATREE_*`` env < overrides.
+
+    The TOML file holds the settings at top level or under an ``[adatree]`` table.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    file_path = path if path is not None else env.get(CONFIG_ENV)
+    if file_path:
+        p = Path(file_path).expanduser()
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+        data = data.get("adatree", data)
+        for key, value in data.items():
+            values[key] = _convert(key, value, source=str(p))
+    for setting in SETTINGS:
+        key = ENV_PREFIX + setting.name.upper()
+        if key in env and key != CONFIG_ENV:
+            values[setting.name] = _convert(setting.name, env[key], source=key)
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = _convert(key, value, source="code")
+    return AdaTreeConfig(**values)
