@@ -1,0 +1,111 @@
+"""Time Policy.decide with 16 candidate shapes and a fitted XGBoost cost model.
+
+Fits XGBoost on a synthetic step-time surface (``sglang_adatree.synthetic``), tabulates it over
+the default grid, checks the table against direct predictions, then runs a drifting batch
+through decide/observe and times decide alone. The last line is exactly::
+
+    policy decision: p50=<us> us p99=<us> us candidates=16
+
+Usage: ``.venv/bin/python scripts/bench_policy.py [--steps 20000] [--rows 4000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from sglang_adatree.acceptance import AcceptanceEstimator
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.cost_model import OnlineCostModel, mape
+from sglang_adatree.cost_table import CostTable, table_error
+from sglang_adatree.features import StepFeatures, feature_rows
+from sglang_adatree.policy import Policy
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, TreeShape
+from sglang_adatree.synthetic import SyntheticSurface, sample_path_stats, sample_steps
+from sglang_adatree.tree import AcceptedPathStats
+from sglang_adatree.xgb_cost import fit_xgboost
+
+EXTRA_SHAPES = (TreeShape(4, 1, 5), TreeShape(2, 4, 6), TreeShape(5, 2, 10), TreeShape(7, 4, 24))
+HAZARDS = np.tile(0.75 * 0.45 ** np.arange(16), (16, 1))  # [depth, rank]
+
+
+def drifting_batches(n: int, rng: np.random.Generator) -> list[StepFeatures]:
+    """Batch size and contexts wander like a serving run's (random walk, requests finish)."""
+    out, b, mean = [], 32, 600.0
+    for _ in range(n):
+        b = int(np.clip(b + rng.integers(-2, 3), 1, 256))
+        mean = float(np.clip(mean * np.exp(rng.normal(0, 0.02)), 64, 16384))
+        total = int(b * mean)
+        out.append(StepFeatures(b, total, min(total, int(mean * 2.5)), 0))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--rows", type=int, default=4000)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    shapes = tuple(sorted(DEFAULT_CANDIDATES + EXTRA_SHAPES))
+    config = AdaTreeConfig(candidate_shapes=shapes)
+    surface = SyntheticSurface()
+
+    features, picked = sample_steps(args.rows, shapes, rng)
+    x = feature_rows(features, picked)
+    t0 = time.perf_counter()
+    model = fit_xgboost(x, surface.step_ms(x, rng))
+    m = model.info.metrics
+    print(
+        f"xgboost fit: {args.rows} rows in {time.perf_counter() - t0:.1f} s, "
+        f"held-out MAPE {m.mape:.2%}, p90 {m.p90_ape:.2%}"
+    )
+
+    t0 = time.perf_counter()
+    table = CostTable.build(model, config.candidate_shapes)
+    print(f"table: {table.values.size} predictions in {time.perf_counter() - t0:.1f} s")
+    probe, _ = sample_steps(500, shapes, np.random.default_rng(1))
+    mean_err, p99_err = table_error(model, table, probe)
+    print(f"table vs direct prediction: mean {mean_err:.2%}, p99 {p99_err:.2%} relative error")
+    x_probe = feature_rows([f for f in probe for _ in shapes], list(shapes) * len(probe))
+    truth = surface.step_ms(x_probe)
+    looked_up = np.concatenate([table.lookup(f) for f in probe])
+    print(
+        f"vs the noiseless surface: direct MAPE {mape(model.predict_matrix(x_probe), truth):.2%}, "
+        f"table MAPE {mape(looked_up, truth):.2%}"
+    )
+
+    policy = Policy(
+        config,
+        OnlineCostModel(model, config.residual_decay, table),
+        AcceptanceEstimator.from_config(config),
+        policy_version=1,
+    )
+    batches = drifting_batches(args.steps, rng)
+    times_ns = np.empty(len(batches), dtype=np.int64)
+    observe_ns = np.empty(len(batches), dtype=np.int64)
+    sources: dict[str, int] = {}
+    for i, f in enumerate(batches):
+        start = time.perf_counter_ns()
+        decision = policy.decide(f)
+        times_ns[i] = time.perf_counter_ns() - start
+        sources[decision.source] = sources.get(decision.source, 0) + 1
+        measured_ms = float(surface.step_ms(feature_rows([f], [decision.shape]), rng)[0])
+        stats = None
+        if decision.shape.speculative:
+            paths = sample_path_stats(decision.shape, f.batch_size, HAZARDS, rng)
+            stats = AcceptedPathStats(*(torch.from_numpy(a) for a in paths))
+        start = time.perf_counter_ns()
+        policy.observe(f, decision.shape, measured_ms, stats)
+        observe_ns[i] = time.perf_counter_ns() - start
+    print("decision sources:", ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
+    o50, o99 = np.percentile(observe_ns / 1000.0, [50, 99])
+    print(f"policy observe: p50={o50:.1f} us p99={o99:.1f} us")
+    p50, p99 = np.percentile(times_ns / 1000.0, [50, 99])
+    print(f"policy decision: p50={p50:.1f} us p99={p99:.1f} us candidates={len(shapes)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Online acceptance estimates by depth and sibling rank; expected emitted tokens of a shape.
+
+Sequoia's positional acceptance, kept per depth: ``hazard[d, r]`` is the probability that the
+rank-``r`` child (rank 0 = the draft's best) of an accepted depth-``d`` node is accepted, given
+that its better-ranked siblings were not. The unconditional chance that the rank-``r`` child is
+the accepted one is then ``p[d, r] = hazard[d, r] * prod_{j<r} (1 - hazard[d, j])``; it does not
+depend on how many siblings the tree kept.
+
+Estimates are Beta-style posteriors with explicit priors: ``acceptance_prior *
+PRIOR_RANK_RATIO**r`` for rank ``r`` at every depth, worth ``acceptance_prior_weight``
+observations. Counts decay exponentially: each verify step that measures a cell keeps
+``1 - acceptance_decay`` of its old counts. The effective observations behind a cell (its decayed
+trial count) are the confidence measure. Per request class estimates shrink towards the global
+ones instead of towards the prior.
+
+Expected emitted tokens of a shape follow how EAGLE-2 builds the tree: a node's value is the
+product of ``p`` along its path; layer 1 holds the root's ``topk`` children; each further layer
+expands the ``topk`` best nodes of the previous one by ``topk`` children; the tree keeps the best
+``num_draft_tokens - 1`` nodes of all layers. Expected accepted tokens = sum of kept values,
+emitted = accepted + 1 bonus. A chain with constant acceptance ``a`` gives TurboSpec's
+``(1 - a**(k + 1)) / (1 - a)``; no speculation gives 1.
+
+Worked example, ``(2, 2, 3)`` with ``p[0] = p[1] = (0.6, 0.2)``: layer 1 values 0.6, 0.2;
+layer 2 values 0.36, 0.12, 0.12, 0.04; keep the best 2 nodes (0.6, 0.36): emitted 1.96.
+
+Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
+on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
+observations holds the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.shapes import MAX_STEPS, MAX_TOPK, TreeShape
+
+# Prior hazard of the rank-r sibling relative to rank 0: drafts rank their best guess first,
+# and a later sibling is right less often once the better ones failed.
+PRIOR_RANK_RATIO = 0.5
+DEFAULT_REFRESH_EVERY = 16
+
+
+@dataclass
+class _ClassStats:
+    """Decayed counts for one request class (``None`` = all requests)."""
+
+    trials: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    accepts: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    acceptance_length: dict[TreeShape, float] = field(default_factory=dict)
+
+
+class AcceptanceEstimator:
+    """Online acceptance by depth and sibling rank; see the module docstring."""
+
+    def __init__(
+        self,
+        prior: float = 0.6,
+        prior_weight: float = 20.0,
+        decay: float = 0.02,
+        refresh_every: int = DEFAULT_REFRESH_EVERY,
+    ) -> None:
+        if not 0.0 < prior < 1.0 or prior_weight < 0.0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"bad estimator settings: {prior=}, {prior_weight=}, {decay=}")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.refresh_every = refresh_every
+        ranks = np.arange(MAX_TOPK, dtype=np.float64)
+        self.prior_hazards = np.broadcast_to(
+            prior * PRIOR_RANK_RATIO**ranks, (MAX_STEPS, MAX_TOPK)
+        ).copy()  # [MAX_STEPS, MAX_TOPK]
+        self._stats: dict[str | None, _ClassStats] = {None: _ClassStats()}
+        self._pending = 0
+        self.revision = 0
+        self._hazards: dict[str | None, np.ndarray] = {}
+        self._emitted: dict[tuple[str | None, TreeShape], float] = {}
+        self._layers: dict[tuple[str | None, int], list[np.ndarray]] = {}
+        self._positional: dict[str | None, np.ndarray] = {}
+        self._many: dict[str | None, tuple[Sequence[TreeShape], np.ndarray]] = {}
+        self.refresh()
+
+    @classmethod
+    def from_config(cls, config: AdaTreeConfig, **kwargs: Any) -> AcceptanceEstimator:
+        return cls(
+            prior=config.acceptance_prior,
+            prior_weight=config.acceptance_prior_weight,
+            decay=config.acceptance_decay,
+            **kwargs,
+        )
+
+    def observe(
+        self,
+        shape: TreeShape,
+        num_children: Any,
+        accepted_rank: Any,
+        request_class: str | None = None,
+    ) -> None:
+        """Add one verify step's accepted paths (tensors or arrays on the CPU).
+
+        ``num_children``: ``[batch, steps]`` int, children the depth-d node of each request's
+        accepted path has in the verified tree (d = 0 the root; 0 past the path's end).
+        ``accepted_rank``: ``[batch, steps]`` int, draft sibling rank of the child accepted at
+        depth d + 1, or -1 if none (``tree.AcceptedPathStats`` holds both).
+
+        A trial of rank r at depth d happened when ``num_children > r`` and ``accepted_rank``
+        is -1 or ``>= r``. The tree keeps a node's children as a prefix of their draft ranks
+        (EAGLE-2 keeps siblings by draft score), except that a score tie may keep a later rank
+        instead; so an accepted rank r counts ranks 0..r as tried even if ``num_children <= r``,
+        which keeps every hazard a probability.
+        """
+        nc = np.asarray(num_children, dtype=np.int64)  # [batch, steps]
+        ar = np.asarray(accepted_rank, dtype=np.int64)  # [batch, steps]
+        assert shape.speculative, "no speculation verifies no draft tokens"
+        assert nc.ndim == 2 and nc.shape == ar.shape, f"{nc.shape} vs {ar.shape}"
+        assert nc.shape[1] == shape.steps, f"expected {shape.steps} depths, got {nc.shape[1]}"
+        assert int(nc.max(initial=0)) <= shape.topk, f"more than topk {shape.topk} children"
+        assert int(ar.max(initial=-1)) < shape.topk, f"accepted rank >= topk {shape.topk}"
+        steps = shape.steps
+        # Ranks 0 .. tried-1 were tried at (request, depth).
+        tried = np.where(ar >= 0, ar + 1, nc)  # [batch, steps]
+        width = MAX_TOPK + 1
+        offsets = np.arange(steps) * width  # [steps]
+        hist = np.bincount((tried + offsets).ravel(), minlength=steps * width)
+        hist = hist.reshape(steps, width)  # [steps, MAX_TOPK + 1]: requests by ranks tried
+        # trials[d, r] = requests with more than r ranks tried at depth d
+        trials = np.cumsum(hist[:, :0:-1], axis=1)[:, ::-1]  # [steps, MAX_TOPK]
+        hit = ar >= 0  # [batch, steps]
+        cells = (ar + np.arange(steps) * MAX_TOPK)[hit]  # [accepted] flat (depth, rank) index
+        accepts = np.bincount(cells, minlength=steps * MAX_TOPK).reshape(steps, MAX_TOPK)
+        emitted = 1.0 + float(hit.sum()) / max(nc.shape[0], 1)
+        keys = (None,) if request_class is None else (None, request_class)
+        for key in keys:
+            self._add(self._stats.setdefault(key, _ClassStats()), shape, trials, accepts, emitted)
+        self._pending += 1
+        if self._pending >= self.refresh_every:
+            self.refresh()
+
+    def _add(
+        self,
+        stats: _ClassStats,
+        shape: TreeShape,
+        trials: np.ndarray,
+        accepts: np.ndarray,
+        emitted: float,
+    ) -> None:
+        steps = trials.shape[0]
+        seen = trials > 0  # [steps, MAX_TOPK]: only measured cells decay
+        keep = np.where(seen, 1.0 - self.decay, 1.0)
+        stats.trials[:steps] = stats.trials[:steps] * keep + trials
+        stats.accepts[:steps] = stats.accepts[:steps] * keep + accepts
+        old = stats.acceptance_length.get(shape)
+        stats.acceptance_length[shape] = (
+            emitted if old is None else (1.0 - self.decay) * old + self.decay * emitted
+        )
+
+    def refresh(self) -> None:
+        """Recompute the cached estimates from the counts; bumps ``revision``."""
+        global_h = self._posterior(self._stats[None], self.prior_hazards)
+        hazards = {None: global_h}
+        for key, stats in self._stats.items():
+            if key is not None:
+                hazards[key] = self._posterior(stats, global_h)
+        self._hazards = hazards
+        wanted = list(self._emitted)
+        many = list(self._many.items())
+        self._emitted = {}
+        self._layers = {}
+        self._positional = {}
+        self._many = {}
+        for key, shape in wanted:
+            self.expected_emitted(shape, key)
+        for request_class, (shapes, _) in many:
+            self.expected_emitted_many(shapes, request_class)
+        self._pending = 0
+        self.revision += 1
+
+    def _posterior(self, stats: _ClassStats, prior: np.ndarray) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus ``prior_weight`` pseudo-observations."""
+        w = self.prior_weight
+        trials = stats.trials + w
+        safe = np.where(trials > 0, trials, 1.0)
+        # A cell never measured under prior weight 0 has no data: it keeps the prior.
+        return np.where(trials > 0, (stats.accepts + w * prior) / safe, prior)
+
+    def _key(self, request_class: str | None) -> str | None:
+        return request_class if request_class in self._hazards else None
+
+    def hazards(self, request_class: str | None = None) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` hazard estimates as of the last refresh."""
+        return self._hazards[self._key(request_class)].copy()
+
+    def positional_acceptance(self, request_class: str | None = None) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` chance that the rank-r child at depth d is the accepted one."""
+        h = self._hazards[self._key(request_class)]
+        survive = np.cumprod(1.0 - h, axis=1)  # [MAX_STEPS, MAX_TOPK]
+        return h * np.concatenate([np.ones((MAX_STEPS, 1)), survive[:, :-1]], axis=1)
+
+    def effective_observations(self, request_class: str | None = None) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` decayed trial counts behind each estimate."""
+        stats = self._stats.get(request_class, self._stats[None])
+        return stats.trials.copy()
+
+    def confidence(self, request_class: str | None = None) -> float:
+        """Weight of data against the prior for the root's top-ranked child, in [0, 1)."""
+        n = float(self.effective_observations(request_class)[0, 0])
+        return n / (n + self.prior_weight) if n + self.prior_weight > 0 else 0.0
+
+    def acceptance_length(self, shape: TreeShape, request_class: str | None = None) -> float | None:
+        """Recent measured emitted tokens per request for ``shape``, or None if never run."""
+        stats = self._stats.get(request_class, self._stats[None])
+        return stats.acceptance_length.get(shape)
+
+    def expected_emitted(self, shape: TreeShape, request_class: str | None = None) -> float:
+        """Expected emitted tokens per request (accepted + 1 bonus) of ``shape``."""
+        key = self._key(request_class)
+        cached = self._emitted.get((key, shape))
+        if cached is not None:
+            return cached
+        if not shape.speculative:
+            value = 1.0
+        else:
+            layers = self._tree_layers(key, shape.topk, shape.steps)
+            values = np.sort(np.concatenate(layers[: shape.steps]))[::-1]
+            value = 1.0 + float(values[: shape.num_draft_tokens - 1].sum())
+        self._emitted[(key, shape)] = value
+        return value
+
+    def expected_emitted_many(
+        self, shapes: Sequence[TreeShape], request_class: str | None = None
+    ) -> np.ndarray:
+        """``[len(shapes)]`` expected emitted tokens per request of each shape (read-only).
+
+        The array for the last ``shapes`` object asked for per class is kept and recomputed at
+        each refresh, so a policy asking every step with the same tuple pays a dict lookup.
+        """
+        entry = self._many.get(request_class)
+        if entry is not None and entry[0] is shapes:
+            return entry[1]
+        values = np.array([self.expected_emitted(s, request_class) for s in shapes])
+        values.flags.writeable = False
+        self._many[request_class] = (shapes, values)
+        return values
+
+    def _tree_layers(self, key: str | None, topk: int, steps: int) -> list[np.ndarray]:
+        """Candidate node values per layer for ``topk``, at least ``steps`` layers deep.
+
+        Shapes sharing ``topk`` share layers, so they are built once per refresh and extended.
+        """
+        layers = self._layers.setdefault((key, topk), [])
+        if len(layers) >= steps:
+            return layers
+        p = self._positional.get(key)
+        if p is None:
+            p = self._positional[key] = self.positional_acceptance(key)  # [MAX_STEPS, MAX_TOPK]
+        frontier = np.sort(layers[-1])[::-1][:topk] if layers else np.ones(1)
+        for depth in range(len(layers), steps):
+            children = np.outer(frontier, p[depth, :topk]).ravel()  # [len(frontier) * topk]
+            layers.append(children)
+            frontier = np.sort(children)[::-1][:topk]
+        return layers

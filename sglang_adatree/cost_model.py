@@ -1,0 +1,209 @@
+"""Step-time cost models: the protocol, the analytic model and the online residual correction.
+
+Two layers:
+
+* a step-time model maps feature rows (``features.FEATURE_NAMES``) to milliseconds:
+  ``AnalyticStepTime`` here (TurboSpec's linear model plus draft terms, usable from the first
+  step and fitted by least squares), ``xgb_cost.XGBoostStepTime`` for the trained one;
+* ``OnlineCostModel`` implements the ``CostModel`` protocol the policy uses: it wraps a
+  step-time model, optionally reads its predictions from a precomputed ``CostTable``, and
+  multiplies them by a per-shape residual correction so that measured step times pull the
+  predictions back when the model is off.
+
+The residual correction of a shape is an exponential moving average of
+``log(measured_ms / predicted_ms)`` with weight ``residual_decay`` on the newest step; the
+corrected prediction is ``predicted_ms * exp(residual)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from scipy.optimize import nnls
+
+from sglang_adatree.features import COLUMN, NUM_FEATURES, StepFeatures, feature_matrix
+from sglang_adatree.shapes import TreeShape
+
+if TYPE_CHECKING:
+    from sglang_adatree.cost_table import CostTable
+
+# Predictions are clamped here: a fitted linear model can extrapolate to zero or below, and the
+# policy divides by step time.
+MIN_STEP_MS = 0.01
+
+
+class CostModel(Protocol):
+    """Predicted step time of a batch under a shape, corrected online by measurements."""
+
+    def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float: ...
+
+    def predict_ms_many(
+        self, features: StepFeatures, shapes: Sequence[TreeShape]
+    ) -> np.ndarray: ...  # [len(shapes)] ms
+
+    def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None: ...
+
+
+class StepTimeModel(Protocol):
+    """A fixed regressor from feature rows to step time; no online state."""
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray: ...  # [rows, NUM_FEATURES] -> [rows]
+
+
+@dataclass(frozen=True)
+class AnalyticStepTime:
+    """``ms = c_fixed + c_bs*B + c_compute*batched_tokens + c_kv*kv_tokens + c_spec*[spec]
+    + c_draft_pass*steps + c_draft_token*draft_tokens``.
+
+    ``batched_tokens`` = verified tokens + prefill tokens (what the target computes),
+    ``kv_tokens`` = sum of context lengths (what attention reads). The defaults are the scale
+    of an 8B target with a one-layer draft on an H100-class GPU: a 4 ms floor, 0.02 ms per
+    computed token, 0.4 ms per draft pass. Fitting replaces them with measurements.
+    """
+
+    c_fixed: float = 4.0
+    c_bs: float = 0.01
+    c_compute: float = 0.02
+    c_kv: float = 2.0e-5
+    c_spec: float = 0.3
+    c_draft_pass: float = 0.4
+    c_draft_token: float = 0.002
+
+    @staticmethod
+    def design_matrix(x: np.ndarray) -> np.ndarray:
+        """``[rows, 7]`` regressors, in the order of the coefficients."""
+        assert x.ndim == 2 and x.shape[1] == NUM_FEATURES, f"bad feature matrix {x.shape}"
+        c = COLUMN
+        return np.stack(
+            [
+                np.ones(x.shape[0]),
+                x[:, c["batch_size"]],
+                x[:, c["verified_tokens"]] + x[:, c["prefill_tokens"]],
+                x[:, c["sum_context_len"]],
+                x[:, c["speculative"]],
+                x[:, c["steps"]],
+                x[:, c["draft_tokens"]],
+            ],
+            axis=1,
+        )
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray:
+        """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``."""
+        return self.design_matrix(x) @ np.array(astuple(self))
+
+    @classmethod
+    def fit(cls, x: np.ndarray, measured_ms: np.ndarray) -> AnalyticStepTime:
+        """Least squares on relative error with non-negative coefficients.
+
+        Rows are scaled by ``1 / measured_ms`` so a 1 ms miss on a 5 ms step weighs as much
+        as 10 ms on a 50 ms step: the policy compares ratios, not differences.
+        """
+        y = np.asarray(measured_ms, dtype=np.float64)  # [rows]
+        assert y.ndim == 1 and y.shape[0] == x.shape[0] and np.all(y > 0), "bad step times"
+        a = cls.design_matrix(x) / y[:, None]  # [rows, 7]
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)  # column scaling for conditioning
+        coef, _ = nnls(a / scale, np.ones_like(y))
+        return cls(*(float(v) for v in coef / scale))
+
+    def to_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """Mean absolute percentage error as a fraction (0.05 = 5%)."""
+    measured = np.asarray(measured, dtype=np.float64)
+    return float(np.mean(np.abs(np.asarray(predicted) - measured) / measured))
+
+
+class ResidualCorrection:
+    """Per-shape EMA of ``log(measured / predicted)``; see the module docstring."""
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"residual decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self._log: dict[TreeShape, float] = {}
+        self._measured: dict[TreeShape, int] = {}
+        # The factors of the last shape tuple asked for, kept up to date in place: the policy
+        # asks for the same candidate tuple every step.
+        self._cached_shapes: Sequence[TreeShape] | None = None
+        self._cached_index: dict[TreeShape, int] = {}
+        self._cached_factors = np.ones(0)
+
+    def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
+        ratio = np.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
+        # Starts from 0 (trust the model): one noisy step moves it by ``decay`` only.
+        new = (1.0 - self.decay) * self._log.get(shape, 0.0) + self.decay * ratio
+        self._log[shape] = new
+        self._measured[shape] = self._measured.get(shape, 0) + 1
+        i = self._cached_index.get(shape)
+        if i is not None:
+            self._cached_factors[i] = np.exp(new)
+
+    def factor(self, shape: TreeShape) -> float:
+        return float(np.exp(self._log.get(shape, 0.0)))
+
+    def factors(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` multiplicative corrections."""
+        if shapes is not self._cached_shapes:
+            self._cached_shapes = shapes
+            self._cached_index = {s: i for i, s in enumerate(shapes)}
+            self._cached_factors = np.array([self.factor(s) for s in shapes])
+        return self._cached_factors
+
+    def measured(self, shape: TreeShape) -> int:
+        """Steps of ``shape`` whose time was measured."""
+        return self._measured.get(shape, 0)
+
+
+class OnlineCostModel:
+    """The ``CostModel`` the policy uses: step-time model, optional table, residual correction.
+
+    With a ``table``, predictions for the table's own shape tuple and batches inside its grid
+    are table lookups (microseconds); anything else is predicted directly by ``step_time``.
+    """
+
+    def __init__(
+        self,
+        step_time: StepTimeModel,
+        residual_decay: float,
+        table: CostTable | None = None,
+    ) -> None:
+        self.step_time = step_time
+        self.table = table
+        self.residual = ResidualCorrection(residual_decay)
+
+    def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` uncorrected predictions."""
+        table = self.table
+        if table is not None and (shapes is table.shapes or shapes == table.shapes):
+            row = table.lookup(features)
+            if row is not None:
+                return row
+        return np.maximum(
+            self.step_time.predict_matrix(feature_matrix(features, shapes)), MIN_STEP_MS
+        )
+
+    def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` corrected step times in ms."""
+        return self.raw_ms_many(features, shapes) * self.residual.factors(shapes)
+
+    def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
+        return float(self._raw_one(features, shape)) * self.residual.factor(shape)
+
+    def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
+        """Pull the prediction for ``shape`` towards ``measured_ms``."""
+        self.residual.update(shape, measured_ms, self._raw_one(features, shape))
+
+    def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
+        table = self.table
+        if table is not None:
+            i = table.index.get(shape)
+            if i is not None:
+                row = table.lookup(features)
+                if row is not None:
+                    return float(row[i])
+        return float(self.raw_ms_many(features, (shape,))[0])

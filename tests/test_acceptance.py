@@ -1,0 +1,181 @@
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_adatree.acceptance import PRIOR_RANK_RATIO, AcceptanceEstimator
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.synthetic import sample_path_stats
+
+# Known acceptance: the top draft token is accepted less often deeper in the tree, and a
+# sibling less often than the better-ranked one.
+TRUE_HAZARDS = np.array(
+    [[0.85 - 0.08 * d, 0.45 - 0.04 * d, 0.3 - 0.03 * d] for d in range(4)]
+)  # [depth, rank]
+
+
+def eagle2_expected_emitted(p: np.ndarray, shape: TreeShape) -> float:
+    """Reference: build the EAGLE-2 candidate tree node by node and keep the best nodes."""
+    if not shape.speculative:
+        return 1.0
+    k = shape.topk
+    candidates, frontier = [], [1.0]
+    for depth in range(shape.steps):
+        layer = [value * p[depth, r] for value in frontier for r in range(k)]
+        candidates += layer
+        frontier = sorted(layer, reverse=True)[:k]
+    return 1.0 + sum(sorted(candidates, reverse=True)[: shape.num_draft_tokens - 1])
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.85])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_chain_agrees_with_turbospec(a, k):
+    est = AcceptanceEstimator(prior=a)
+    assert est.expected_emitted(TreeShape(k, 1, k + 1)) == pytest.approx(
+        (1 - a ** (k + 1)) / (1 - a)
+    )
+
+
+def test_no_speculation_emits_one():
+    assert AcceptanceEstimator().expected_emitted(NO_SPEC) == 1.0
+
+
+def test_worked_example_from_the_docstring():
+    # Prior 0.6 and rank ratio 0.5: hazards (0.6, 0.3) give p = (0.6, 0.3 * 0.4 = 0.12).
+    assert PRIOR_RANK_RATIO == 0.5
+    est = AcceptanceEstimator(prior=0.6)
+    np.testing.assert_allclose(est.positional_acceptance()[0, :2], [0.6, 0.12])
+    # Layer 1: 0.6, 0.12. Layer 2 (expand both): 0.36, 0.072, 0.072, 0.0144.
+    assert est.expected_emitted(TreeShape(2, 2, 3)) == pytest.approx(1 + 0.6 + 0.36)
+    assert est.expected_emitted(TreeShape(2, 2, 4)) == pytest.approx(1 + 0.6 + 0.36 + 0.12)
+    assert est.expected_emitted(TreeShape(2, 2, 7)) == pytest.approx(
+        1 + 0.6 + 0.12 + 0.36 + 0.072 + 0.072 + 0.0144
+    )
+
+
+def test_exact_counts_from_hand_written_paths():
+    est = AcceptanceEstimator(prior_weight=0.0, refresh_every=1)
+    shape = TreeShape(2, 3, 6)
+    # Request 0: the root has 3 children, rank 1 accepted; that node has 2 children, both
+    # rejected. Request 1: the root has 2 children, both rejected.
+    num_children = torch.tensor([[3, 2], [2, 0]])
+    accepted_rank = torch.tensor([[1, -1], [-1, -1]])
+    est.observe(shape, num_children, accepted_rank)
+    trials = est.effective_observations()
+    np.testing.assert_array_equal(trials[0, :3], [2, 2, 0])
+    np.testing.assert_array_equal(trials[1, :3], [1, 1, 0])
+    h = est.hazards()
+    np.testing.assert_allclose(h[0, :2], [0.0, 0.5])
+    np.testing.assert_allclose(h[1, :2], [0.0, 0.0])
+    assert h[0, 2] == est.prior_hazards[0, 2]  # never tried: the prior stands
+    assert est.acceptance_length(shape) == pytest.approx(1.5)
+
+
+def test_accepted_rank_past_num_children_still_a_probability():
+    # A score tie may keep rank 2 but not rank 1; the accepted rank counts ranks 0..2 as tried.
+    est = AcceptanceEstimator(prior_weight=0.0, refresh_every=1)
+    est.observe(TreeShape(1, 3, 3), np.array([[2]]), np.array([[2]]))
+    np.testing.assert_allclose(est.hazards()[0, :3], [0.0, 0.0, 1.0])
+
+
+def test_contract_violations_are_caught():
+    est = AcceptanceEstimator()
+    with pytest.raises(AssertionError, match="depths"):
+        est.observe(TreeShape(3, 1, 4), np.zeros((2, 2), dtype=int), np.zeros((2, 2), dtype=int))
+    with pytest.raises(AssertionError, match="topk"):
+        est.observe(TreeShape(2, 2, 3), np.full((1, 2), 3), np.full((1, 2), -1))
+
+
+def run_synthetic(est, shape, hazards, steps, batch, seed, request_class=None):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        nc, ar = sample_path_stats(shape, batch, hazards, rng)
+        est.observe(shape, torch.from_numpy(nc), torch.from_numpy(ar), request_class)
+    est.refresh()
+
+
+def test_converges_to_known_acceptance_by_depth_and_rank():
+    est = AcceptanceEstimator(prior=0.5, prior_weight=20.0, decay=0.01)
+    run_synthetic(est, TreeShape(4, 3, 12), TRUE_HAZARDS, steps=400, batch=64, seed=1)
+    h, n = est.hazards()[:4, :3], est.effective_observations()[:4, :3]
+    assert n.min() > 100  # every (depth, rank) was tried
+    # Four binomial standard errors plus the prior's pull (20 pseudo-observations).
+    sigma = np.sqrt(TRUE_HAZARDS * (1 - TRUE_HAZARDS) / n)
+    prior = est.prior_hazards[:4, :3]
+    tolerance = 4 * sigma + 20 / (n + 20) * np.abs(prior - TRUE_HAZARDS)
+    assert np.all(np.abs(h - TRUE_HAZARDS) <= tolerance), (h, tolerance)
+    assert h[0, 0] == pytest.approx(TRUE_HAZARDS[0, 0], abs=0.02)
+    assert est.confidence() > 0.99
+
+
+def test_expected_emitted_matches_the_eagle2_reference():
+    est = AcceptanceEstimator(prior=0.5, decay=0.05)
+    run_synthetic(est, TreeShape(4, 3, 12), TRUE_HAZARDS, steps=50, batch=32, seed=2)
+    p = est.positional_acceptance()
+    shapes = [*DEFAULT_CANDIDATES, TreeShape(4, 3, 9), TreeShape(4, 3, 29), TreeShape(2, 3, 5)]
+    for shape in shapes:
+        assert est.expected_emitted(shape) == pytest.approx(eagle2_expected_emitted(p, shape))
+    np.testing.assert_allclose(
+        est.expected_emitted_many(shapes), [eagle2_expected_emitted(p, s) for s in shapes]
+    )
+
+
+def test_more_tokens_never_emit_less():
+    est = AcceptanceEstimator(prior=0.7)
+    for steps, topk in itertools.product(range(1, 6), range(2, 5)):
+        base = TreeShape(steps, topk, 2)
+        values = [
+            est.expected_emitted(TreeShape(steps, topk, n))
+            for n in range(2, base.num_candidates + 2)
+        ]
+        assert values == sorted(values)
+        assert values[-1] <= steps + 1
+
+
+def test_decay_follows_a_change_in_acceptance():
+    shape = TreeShape(2, 1, 3)
+    est = AcceptanceEstimator(prior=0.5, decay=0.05, refresh_every=1)
+    run_synthetic(est, shape, np.full((2, 1), 0.9), steps=200, batch=16, seed=3)
+    assert est.hazards()[0, 0] == pytest.approx(0.9, abs=0.05)
+    run_synthetic(est, shape, np.full((2, 1), 0.3), steps=100, batch=16, seed=4)
+    assert est.hazards()[0, 0] == pytest.approx(0.3, abs=0.05)
+    assert est.acceptance_length(shape) == pytest.approx(1 + 0.3 + 0.09, abs=0.1)
+
+
+def test_request_classes_keep_their_own_estimates():
+    shape = TreeShape(3, 1, 4)
+    est = AcceptanceEstimator(prior=0.5, decay=0.02, refresh_every=8)
+    run_synthetic(est, shape, np.full((3, 1), 0.9), 200, 16, seed=5, request_class="code")
+    run_synthetic(est, shape, np.full((3, 1), 0.2), 200, 16, seed=6, request_class="chat")
+    code, chat = est.hazards("code")[0, 0], est.hazards("chat")[0, 0]
+    assert code == pytest.approx(0.9, abs=0.05) and chat == pytest.approx(0.2, abs=0.05)
+    assert chat < est.hazards()[0, 0] < code
+    assert (
+        est.expected_emitted(shape, "code")
+        > est.expected_emitted(shape)
+        > est.expected_emitted(shape, "chat")
+    )
+    # An unseen class falls back to the global estimate.
+    assert est.expected_emitted(shape, "unknown") == est.expected_emitted(shape)
+
+
+def test_estimates_move_only_at_refresh():
+    est = AcceptanceEstimator(prior=0.5, refresh_every=4)
+    shape = TreeShape(1, 1, 2)
+    revision, before = est.revision, est.expected_emitted(shape)
+    accept_all = (np.ones((8, 1), dtype=int), np.zeros((8, 1), dtype=int))
+    for _ in range(3):
+        est.observe(shape, *accept_all)
+    assert est.revision == revision and est.expected_emitted(shape) == before
+    est.observe(shape, *accept_all)
+    assert est.revision == revision + 1 and est.expected_emitted(shape) > before
+
+
+def test_from_config():
+    config = AdaTreeConfig(acceptance_prior=0.7, acceptance_prior_weight=5.0, acceptance_decay=0.1)
+    est = AcceptanceEstimator.from_config(config)
+    assert (est.prior_weight, est.decay) == (5.0, 0.1)
+    assert est.hazards()[0, 0] == pytest.approx(0.7)
+    assert est.confidence() == 0.0

@@ -1,0 +1,92 @@
+import numpy as np
+import pytest
+
+from sglang_adatree.cost_model import (
+    MIN_STEP_MS,
+    AnalyticStepTime,
+    OnlineCostModel,
+    ResidualCorrection,
+    mape,
+)
+from sglang_adatree.features import StepFeatures, feature_matrix, feature_rows
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.synthetic import sample_steps
+
+
+def test_analytic_defaults_by_hand():
+    m = AnalyticStepTime()
+    f = StepFeatures(batch_size=4, sum_context_len=4000, max_context_len=1000, prefill_tokens=0)
+    no_spec, tree = m.predict_matrix(feature_matrix(f, [NO_SPEC, TreeShape(3, 2, 6)]))
+    assert no_spec == pytest.approx(4.0 + 0.01 * 4 + 0.02 * 4 + 2e-5 * 4000)
+    assert tree == pytest.approx(
+        4.0 + 0.01 * 4 + 0.02 * 24 + 2e-5 * 4000 + 0.3 + 0.4 * 3 + 0.002 * 4 * 3 * 2
+    )
+
+
+def test_analytic_fit_recovers_a_linear_surface():
+    truth = AnalyticStepTime(
+        c_fixed=3.0, c_bs=0.02, c_compute=0.01, c_kv=5e-5, c_spec=0.5, c_draft_pass=0.2,
+        c_draft_token=0.004,
+    )  # fmt: skip
+    features, shapes = sample_steps(500, DEFAULT_CANDIDATES, np.random.default_rng(0))
+    x = feature_rows(features, shapes)
+    fitted = AnalyticStepTime.fit(x, truth.predict_matrix(x))
+    for name, value in truth.to_dict().items():
+        assert fitted.to_dict()[name] == pytest.approx(value, rel=1e-6), name
+
+
+def test_analytic_fit_keeps_coefficients_non_negative():
+    features, shapes = sample_steps(300, DEFAULT_CANDIDATES, np.random.default_rng(1))
+    x = feature_rows(features, shapes)
+    # Time falls with batch size here: least squares would want c_bs < 0.
+    y = 20.0 - 0.05 * x[:, 0]
+    fitted = AnalyticStepTime.fit(x, y)
+    assert all(v >= 0 for v in fitted.to_dict().values())
+
+
+def test_mape():
+    assert mape(np.array([11.0, 9.0]), np.array([10.0, 10.0])) == pytest.approx(0.1)
+
+
+def test_residual_correction_pulls_towards_measurements():
+    shape = TreeShape(3, 1, 4)
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.1)
+    f = StepFeatures(8, 8000, 1000)
+    raw = model.predict_ms(f, shape)
+    model.observe(f, shape, 2 * raw)
+    # One step moves the log-residual by decay only: a single noisy step cannot swing it.
+    assert model.predict_ms(f, shape) == pytest.approx(raw * 2**0.1)
+    for _ in range(100):
+        model.observe(f, shape, 2 * raw)
+    assert model.predict_ms(f, shape) == pytest.approx(2 * raw, rel=1e-3)
+    # Other shapes keep their own correction.
+    other = TreeShape(2, 1, 3)
+    assert model.predict_ms(f, other) == pytest.approx(
+        float(AnalyticStepTime().predict_matrix(feature_matrix(f, [other]))[0])
+    )
+    assert model.residual.measured(shape) == 101 and model.residual.measured(other) == 0
+
+
+def test_predict_many_matches_predict_one_with_corrections():
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.5)
+    f = StepFeatures(3, 300, 100, 50)
+    for i, shape in enumerate(DEFAULT_CANDIDATES):
+        model.observe(f, shape, 5.0 + i)
+    many = model.predict_ms_many(f, DEFAULT_CANDIDATES)
+    one = [model.predict_ms(f, s) for s in DEFAULT_CANDIDATES]
+    np.testing.assert_allclose(many, one)
+    # Updates after the factors were cached still show up.
+    model.observe(f, DEFAULT_CANDIDATES[3], 50.0)
+    assert model.predict_ms_many(f, DEFAULT_CANDIDATES)[3] == pytest.approx(
+        model.predict_ms(f, DEFAULT_CANDIDATES[3])
+    )
+
+
+def test_predictions_never_reach_zero():
+    model = OnlineCostModel(AnalyticStepTime(*([0.0] * 7)), residual_decay=0.1)
+    assert model.predict_ms(StepFeatures(1, 1, 1), NO_SPEC) == MIN_STEP_MS
+
+
+def test_bad_residual_decay():
+    with pytest.raises(ValueError):
+        ResidualCorrection(0.0)

@@ -1,0 +1,207 @@
+import numpy as np
+import pytest
+import torch
+
+from sglang_adatree.acceptance import AcceptanceEstimator
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.cost_model import AnalyticStepTime, OnlineCostModel
+from sglang_adatree.cost_table import CostTable, TableGrid
+from sglang_adatree.features import StepFeatures, feature_rows
+from sglang_adatree.policy import Decision, Pin, Policy
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.synthetic import SyntheticSurface, sample_path_stats, sample_steps
+from sglang_adatree.tree import AcceptedPathStats
+from sglang_adatree.xgb_cost import fit_xgboost
+
+FLAT = AnalyticStepTime(c_fixed=5.0, c_bs=0, c_compute=0, c_kv=0, c_spec=0, c_draft_pass=0,
+                        c_draft_token=0)  # fmt: skip
+
+
+def make_policy(step_time=None, prior=0.6, prior_weight=20.0, **settings) -> Policy:
+    config = AdaTreeConfig(**{"warmup_steps": 0, "explore_fraction": 0.0, **settings})
+    estimator = AcceptanceEstimator(prior=prior, prior_weight=prior_weight)
+    cost = OnlineCostModel(step_time or AnalyticStepTime(), config.residual_decay)
+    return Policy(config, cost, estimator)
+
+
+def batch(b: int, ctx: int = 500) -> StepFeatures:
+    return StepFeatures(b, b * ctx, ctx)
+
+
+def test_no_speculation_when_verification_cost_dominates():
+    # 1 ms per verified token against a 0.5 ms floor: a draft token costs more than it saves.
+    costly = AnalyticStepTime(c_fixed=0.5, c_compute=1.0)
+    decision = make_policy(costly, prior=0.8).decide(batch(8))
+    assert decision == Decision(NO_SPEC, "fallback", decision.predicted_ms, 1.0)
+    assert decision.predicted_ms == pytest.approx(0.5 + 0.01 * 8 + 8.0 + 2e-5 * 4000)
+
+
+def test_deep_wide_tree_when_acceptance_is_high_and_cost_flat():
+    policy = make_policy(FLAT, prior=0.9, prior_weight=1e4)
+    decision = policy.decide(batch(4))
+    assert decision.shape == TreeShape(6, 4, 16)  # the deepest and widest candidate
+    best = max(DEFAULT_CANDIDATES, key=policy.acceptance.expected_emitted)
+    assert decision.shape == best and decision.predicted_emitted > 5.0
+
+
+def test_no_spec_margin():
+    # A speculative shape that is 3% better than no speculation is not good enough at a 5%
+    # margin, and good enough at 1%.
+    only = (NO_SPEC, TreeShape(1, 1, 2))
+    emitted = 1.0 + 0.5  # prior 0.5: one draft token accepted half the time
+    draft_ms = 5.0 * (emitted / 1.03 - 1)
+    spec_cost = AnalyticStepTime(c_fixed=5.0, c_bs=0, c_compute=0, c_kv=0, c_spec=0,
+                                 c_draft_pass=draft_ms, c_draft_token=0)  # fmt: skip
+    for margin, expected in [(0.05, NO_SPEC), (0.01, TreeShape(1, 1, 2))]:
+        policy = make_policy(spec_cost, prior=0.5, candidate_shapes=only, no_spec_margin=margin)
+        assert policy.decide(batch(1)).shape == expected
+
+
+def test_pins_win_and_ranges_apply_only_in_range():
+    policy = make_policy(FLAT, prior=0.9)
+    chain, small_tree = TreeShape(3, 1, 4), TreeShape(2, 2, 4)
+    # Newest first: the range pin overrides the older pin for all batch sizes.
+    policy.set_pins([Pin(small_tree, min_batch_size=16, max_batch_size=64), Pin(chain)])
+    assert policy.decide(batch(4)).shape == chain and policy.decide(batch(4)).source == "pin"
+    assert policy.decide(batch(16)).shape == small_tree
+    assert policy.decide(batch(64)).shape == small_tree
+    assert policy.decide(batch(65)).shape == chain
+    policy.set_pins([Pin(small_tree, max_batch_size=8)])
+    assert policy.decide(batch(8)).source == "pin"
+    unpinned = policy.decide(batch(9))
+    assert unpinned.source == "fallback" and unpinned.shape == TreeShape(6, 4, 16)
+    policy.set_pins([])
+    assert policy.decide(batch(4)).source == "fallback"
+
+
+def test_pins_are_validated():
+    policy = make_policy()
+    with pytest.raises(ValueError, match="not a candidate"):
+        policy.set_pins([Pin(TreeShape(7, 1, 8))])
+    with pytest.raises(ValueError, match="min_batch_size 9 > max_batch_size 8"):
+        Pin(NO_SPEC, min_batch_size=9, max_batch_size=8)
+
+
+def near_tie_policy(min_gain: float) -> Policy:
+    """Two chains whose goodputs cross near batch 16: (3,1,4) wins at 15, (2,1,3) at 17."""
+    # With acceptance 0.6, (3,1,4) emits 2.176 / 1.96 = 1.110 times as much as (2,1,3) and
+    # costs (F + 4cB) / (F + 3cB): equal at cB = 0.1646 F.
+    step_time = AnalyticStepTime(c_fixed=5.0, c_bs=0, c_compute=0.1646 * 5.0 / 16, c_kv=0,
+                                 c_spec=0, c_draft_pass=0, c_draft_token=0)  # fmt: skip
+    shapes = (NO_SPEC, TreeShape(2, 1, 3), TreeShape(3, 1, 4))
+    return make_policy(step_time, prior=0.6, candidate_shapes=shapes, min_gain=min_gain)
+
+
+def test_near_tie_flaps_without_hysteresis():
+    policy = near_tie_policy(min_gain=0.0)
+    shapes = [policy.decide(batch(b)).shape for b in [15, 17] * 10]
+    assert shapes == [TreeShape(3, 1, 4), TreeShape(2, 1, 3)] * 10
+    # The two goodputs differ by well under the default min_gain of 3% at both sizes.
+    for b in (15, 17):
+        times = policy.cost_model.predict_ms_many(batch(b), policy.candidates)
+        goodput = policy.acceptance.expected_emitted_many(policy.candidates) / times
+        assert abs(goodput[2] / goodput[1] - 1) < 0.01
+
+
+def test_no_flapping_with_hysteresis():
+    policy = near_tie_policy(min_gain=0.03)
+    shapes = {policy.decide(batch(b)).shape for b in [15, 17] * 10}
+    assert shapes == {TreeShape(3, 1, 4)}
+    # A clear change still switches: at batch 64 verification costs more, go short.
+    assert policy.decide(batch(64)).shape == TreeShape(2, 1, 3)
+
+
+def test_warmup_cycles_through_the_candidates():
+    policy = make_policy(FLAT, warmup_steps=15)
+    decisions = [policy.decide(batch(4)) for _ in range(16)]
+    n = len(DEFAULT_CANDIDATES)
+    assert [d.shape for d in decisions[:15]] == [DEFAULT_CANDIDATES[i % n] for i in range(15)]
+    assert {d.source for d in decisions[:15]} == {"warmup"}
+    assert decisions[15].source == "fallback"
+
+
+def run(policy: Policy, steps: int, rng: np.random.Generator) -> list[Decision]:
+    """Decide and feed back synthetic measurements, like the worker's decode loop."""
+    surface = SyntheticSurface()
+    hazards = np.full((16, 16), 0.5)
+    out = []
+    for i in range(steps):
+        f = batch(1 + (i * 7) % 40)
+        d = policy.decide(f)
+        out.append(d)
+        ms = float(surface.step_ms(feature_rows([f], [d.shape]), rng)[0])
+        stats = None
+        if d.shape.speculative:
+            paths = sample_path_stats(d.shape, f.batch_size, hazards, rng)
+            stats = AcceptedPathStats(*(torch.from_numpy(a) for a in paths))
+        policy.observe(f, d.shape, ms, stats)
+    return out
+
+
+def test_exploration_measures_the_least_measured_shapes():
+    policy = make_policy(explore_fraction=0.05, explore_seed=7, warmup_steps=12)
+    decisions = run(policy, 600, np.random.default_rng(0))
+    explored = [d for d in decisions if d.source == "explore"]
+    assert len(explored) == pytest.approx(0.05 * (600 - 12), abs=1)
+    # The model settles on few shapes; exploration keeps measuring the rest.
+    model_shapes = {d.shape for d in decisions if d.source == "fallback"}
+    assert len(model_shapes) < len(DEFAULT_CANDIDATES)
+    assert {d.shape for d in explored} >= set(DEFAULT_CANDIDATES) - model_shapes
+    assert policy.measured.min() >= 3
+    assert policy.measured.sum() == 600
+
+
+def test_exploration_schedule_is_seeded_and_evenly_spaced():
+    def explore_steps(seed):
+        policy = make_policy(FLAT, explore_fraction=0.1, explore_seed=seed)
+        return [i for i in range(200) if policy.decide(batch(4)).source == "explore"]
+
+    a = explore_steps(1)
+    assert a == explore_steps(1)
+    assert len(a) == 20 and set(np.diff(a)) == {10}
+    assert explore_steps(2) != a
+
+
+def test_same_inputs_same_decisions():
+    # Two ranks fed the same batches and the same measurements decide identically.
+    a = run(make_policy(explore_fraction=0.05, warmup_steps=12), 300, np.random.default_rng(5))
+    b = run(make_policy(explore_fraction=0.05, warmup_steps=12), 300, np.random.default_rng(5))
+    assert a == b
+    assert {d.source for d in a} == {"warmup", "explore", "fallback"}
+
+
+def test_observations_move_the_decision():
+    # Acceptance turns out low: deep trees lose their appeal.
+    policy = make_policy(FLAT, prior=0.9, prior_weight=5.0)
+    assert policy.decide(batch(4)).shape == TreeShape(6, 4, 16)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        shape = TreeShape(6, 4, 16)
+        paths = sample_path_stats(shape, 8, np.full((16, 16), 0.02), rng)
+        policy.observe(batch(4), shape, 5.0, AcceptedPathStats(*map(torch.from_numpy, paths)))
+    assert policy.acceptance.expected_emitted(TreeShape(6, 4, 16)) < 1.2
+    # Measured steps are slower than predicted for the tree: the residual pulls it up.
+    assert policy.cost_model.predict_ms(batch(4), TreeShape(6, 4, 16)) == pytest.approx(5.0)
+    for _ in range(100):
+        policy.observe(batch(4), TreeShape(6, 4, 16), 10.0)
+    assert policy.cost_model.predict_ms(batch(4), TreeShape(6, 4, 16)) > 9.0
+    assert policy.decide(batch(4)).shape != TreeShape(6, 4, 16)
+
+
+def test_set_cost_model_switches_to_the_trained_version():
+    rng = np.random.default_rng(0)
+    features, shapes = sample_steps(800, DEFAULT_CANDIDATES, rng, max_batch_size=32)
+    x = feature_rows(features, shapes)
+    trained = fit_xgboost(x, SyntheticSurface().step_ms(x, rng), num_rounds=40)
+    policy = make_policy()
+    assert policy.decide(batch(4)).source == "fallback"
+    grid = TableGrid(max_batch_size=32)
+    table = CostTable.build(trained, policy.candidates, grid)
+    policy.set_cost_model(OnlineCostModel(trained, 0.05, table), policy_version=1)
+    decision = policy.decide(batch(4))
+    assert decision.source == "model" and policy.policy_version == 1
+    assert decision.predicted_ms == pytest.approx(
+        float(trained.predict_matrix(feature_rows([batch(4)], [decision.shape]))[0]), rel=0.05
+    )
+    policy.set_cost_model(OnlineCostModel(AnalyticStepTime(), 0.05), policy_version=None)
+    assert policy.decide(batch(4)).source == "fallback"
