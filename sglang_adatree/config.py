@@ -26,6 +26,7 @@ from sglang_adatree.shapes import (
 )
 
 ENV_PREFIX = "ADATREE_"
+POLICY_NAMES = ("adatree", "turbospec", "sglang-adaptive")
 CONFIG_ENV = "ADATREE_CONFIG"
 HOME_ENV = "ADATREE_HOME"
 DB_URL_ENV = "ADATREE_DB_URL"
@@ -102,6 +103,14 @@ SETTINGS: tuple[Setting, ...] = (
         "'S,K,N' shapes, ';'-separated",
         "shapes the policy chooses from; '0' is no speculation",
         _shapes,
+    ),
+    Setting(
+        "policy",
+        "adatree",
+        "adatree, turbospec, sglang-adaptive",
+        "the decision rule: adatree's goodput policy, or a baseline re-implemented for comparison",
+        str,
+        lambda v: v in POLICY_NAMES,
     ),
     Setting(
         "objective",
@@ -244,6 +253,7 @@ class AdaTreeConfig:
     """The effective configuration; build it with ``load_config``, never mutate it."""
 
     candidate_shapes: tuple[TreeShape, ...] = DEFAULT_CANDIDATES
+    policy: str = "adatree"
     objective: str = "goodput"
     min_gain: float = 0.03
     no_spec_margin: float = 0.05

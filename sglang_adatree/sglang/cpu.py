@@ -1,0 +1,333 @@
+"""The CPU path: SGLang's speculative decoding without Triton or CUDA kernels.
+
+Every hook is registered through SGLang's ``HookRegistry`` and decides per call: with CPU
+tensors (or on ``--device cpu``) it runs a pure-torch equivalent, anywhere else it calls
+SGLang's original unchanged, so nothing differs on a GPU. What each hook replaces:
+
+* tree build and greedy / sampling verification: ``sglang_adatree.tree`` / ``verify``;
+* the cache-location and bookkeeping kernels: ``cpu_kernels``;
+* the KV pool's start-up copy-kernel warm-up: skipped, moves use SGLang's own torch path;
+* the draft's ``torch.compile``d top-k selection: run eagerly (compiling takes ~9 s);
+* ``RotaryEmbedding`` construction, which imports vllm on platforms SGLang does not know;
+* attention: the ``adatree_cpu`` backend (``cpu_attention``), registered in SGLang's
+  attention registry and returned by the draft backend factory.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_adatree.sglang import cpu_kernels
+from sglang_adatree.sglang.cpu_attention import (
+    BACKEND_NAME,
+    AdaTreeCpuAttnBackend,
+    AdaTreeCpuMultiStepDraftBackend,
+)
+
+
+def on_cpu_device() -> bool:
+    """True when this process serves on ``--device cpu`` (published runtime config)."""
+    try:
+        from sglang.srt.runtime_context import get_device
+
+        return get_device().device == "cpu"
+    except Exception:  # config not published yet: not a serving process
+        return False
+
+
+def _is_cpu(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.device.type == "cpu"
+
+
+@contextmanager
+def _module_globals(module_name: str, **values: Any) -> Any:
+    """Temporarily rebind globals of one SGLang module for the duration of a call."""
+    module = sys.modules[module_name]
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+# -- model construction ---------------------------------------------------------------------
+
+
+def _rope_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    # On a platform it does not know, RotaryEmbedding.__init__ imports vllm's kernel; on a CPU
+    # device the pure-torch forward runs anyway, so construct it as for SGLang's CPU engine.
+    if not on_cpu_device():
+        return original(self, *args, **kwargs)
+    with _module_globals(original.__module__, _is_cpu=True):
+        return original(self, *args, **kwargs)
+
+
+def _kv_copy_warmup(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    # The Triton copy kernel the pool warms up cannot run on a CPU; SGLang's own torch move
+    # (``move_kv_cache_native``) serves the moves instead.
+    if torch.device(self.device).type == "cpu":
+        self.use_native_move_kv_cache = True
+        return None
+    return original(self, *args, **kwargs)
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def create_cpu_attention_backend(runner: Any) -> AdaTreeCpuAttnBackend:
+    return AdaTreeCpuAttnBackend(runner)
+
+
+def _draft_backend_type(factory: Any, decode: bool) -> str:
+    from sglang.srt.runtime_context import attention_backends, get_spec
+
+    prefill_backend, decode_backend = attention_backends()
+    if not decode and get_spec().speculative_attention_mode == "decode":
+        decode = True
+    return factory.draft_attn_backend or (decode_backend if decode else prefill_backend)
+
+
+def _draft_decode_backend(original: Callable[..., Any], self: Any) -> Any:
+    if _draft_backend_type(self, decode=True) != BACKEND_NAME:
+        return original(self)
+    if self.speculative_num_steps <= 1:
+        return None
+    return AdaTreeCpuMultiStepDraftBackend(
+        self.draft_model_runner, self.topk, self.speculative_num_steps
+    )
+
+
+def _draft_extend_backend(original: Callable[..., Any], self: Any) -> Any:
+    if _draft_backend_type(self, decode=False) != BACKEND_NAME:
+        return original(self)
+    return AdaTreeCpuAttnBackend(self.draft_model_runner)
+
+
+# -- tree and verification ------------------------------------------------------------------
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name, however the caller passed them."""
+    bound = _signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _build_tree(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from sglang_adatree.tree import write_verify_tree
+
+    a = _arguments(original, args, kwargs)
+    if not _is_cpu(a["seq_lens"]):
+        return original(*args, **kwargs)
+    write_verify_tree(
+        a["parent_list"],
+        a["top_scores_index"],
+        a["seq_lens"],
+        a["tree_mask"],
+        a["positions"],
+        a["retrieve_index"],
+        a["retrieve_next_token"],
+        a["retrieve_next_sibling"],
+        a["topk"],
+        a["spec_steps"],
+        a["num_verify_tokens"],
+        int(a["tree_mask_mode"]),
+    )
+    return None
+
+
+def _verify_greedy(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from sglang_adatree.verify import verify_tree_greedy
+
+    a = _arguments(original, args, kwargs)
+    if not _is_cpu(a["candidates"]):
+        return original(*args, **kwargs)
+    result = verify_tree_greedy(
+        a["predicts"],
+        a["accept_index"],
+        a["accept_token_num"],
+        a["candidates"].long(),
+        a["retrieve_index"],
+        a["retrieve_next_token"],
+        a["retrieve_next_sibling"],
+        a["target_predict"].long(),
+    )
+    return result.predicts, result.accept_index, result.accept_token_num
+
+
+def tree_speculative_sampling_target_only(**a: Any) -> None:
+    """SGLang's CUDA sampling-verify op, by its keyword names, on CPU tensors."""
+    from sglang_adatree.verify import verify_tree_sampling
+
+    verify_tree_sampling(
+        a["predicts"],
+        a["accept_index"],
+        a["accept_token_num"],
+        a["candidates"].long(),
+        a["retrive_index"],
+        a["retrive_next_token"],
+        a["retrive_next_sibling"],
+        a["uniform_samples"],
+        a["uniform_samples_for_final_sampling"],
+        a["target_probs"],
+        a["draft_probs"],
+        a.get("threshold_single", 1.0),
+        a.get("threshold_acc", 1.0),
+    )
+
+
+def _eagle_sample(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # SGLang has no tree sampling kernel (nor top-k / top-p renormalisation) off CUDA; on a
+    # CPU, lend it the distribution-preserving torch versions for the duration of the call.
+    from sglang_adatree.verify import top_k_renorm_prob, top_p_renorm_prob
+
+    batch = _arguments(original, args, kwargs)["batch"]
+    if torch.device(batch.device).type != "cpu":
+        return original(*args, **kwargs)
+    with _module_globals(
+        original.__module__,
+        tree_speculative_sampling_target_only=tree_speculative_sampling_target_only,
+        top_k_renorm_prob=top_k_renorm_prob,
+        top_p_renorm_prob=top_p_renorm_prob,
+    ):
+        return original(*args, **kwargs)
+
+
+def _select_top_k_later(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # A torch.compile'd function: on a CPU its first call spends ~9 s compiling C++ for a
+    # handful of small tensor ops. Run SGLang's own function eagerly instead.
+    eager = getattr(original, "_torchdynamo_orig_callable", None)
+    topk_p = kwargs.get("topk_p", args[1] if len(args) > 1 else None)
+    if eager is None or not _is_cpu(topk_p):
+        return original(*args, **kwargs)
+    return eager(*args, **kwargs)
+
+
+# -- bookkeeping kernels --------------------------------------------------------------------
+
+
+def _cpu_or_original(
+    replacement: Callable[..., Any], probe: str, position: int
+) -> Callable[..., Any]:
+    """An AROUND hook running ``replacement`` when argument ``probe`` is a CPU tensor."""
+
+    def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        tensor = kwargs.get(probe, args[position] if len(args) > position else None)
+        if not _is_cpu(tensor):
+            return original(*args, **kwargs)
+        return replacement(*args, **kwargs)
+
+    hook.__name__ = f"adatree_cpu_{replacement.__name__}"
+    return hook
+
+
+def _assign_extend_cache_locs(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+    device: Any,
+) -> torch.Tensor:
+    return cpu_kernels.assign_extend_cache_locs(
+        req_pool_indices, req_to_token, start_offset, end_offset
+    )
+
+
+def _assign_req_to_token_pool(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    batch_size: int,
+) -> None:
+    cpu_kernels.assign_req_to_token_pool(
+        req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc
+    )
+
+
+def _fill_accept_out_cache_loc(
+    accept_index: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    accept_out_cache_loc: torch.Tensor,
+    size: int,
+) -> None:
+    cpu_kernels.fill_accept_out_cache_loc(accept_index, out_cache_loc, accept_out_cache_loc)
+
+
+_SPEC = "sglang.srt.speculative"
+_OPS = "sglang.kernels.ops.speculative"
+
+_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__", _rope_init),
+    (
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+        _kv_copy_warmup,
+    ),
+    (f"{_SPEC}.draft_utils.DraftBackendFactory.create_decode_backend", _draft_decode_backend),
+    (
+        f"{_SPEC}.draft_utils.DraftBackendFactory.create_draft_extend_backend",
+        _draft_extend_backend,
+    ),
+    (f"{_OPS}.spec_tree.build_tree_kernel_efficient_func", _build_tree),
+    (f"{_OPS}.spec_tree.verify_tree_greedy_func", _verify_greedy),
+    (f"{_SPEC}.eagle_utils.eagle_sample", _eagle_sample),
+    (f"{_SPEC}.spec_utils._select_top_k_tokens_later", _select_top_k_later),
+    (
+        f"{_OPS}.cache_locs.assign_draft_cache_locs_contiguous_func",
+        _cpu_or_original(cpu_kernels.assign_draft_cache_locs_contiguous, "seq_lens", 2),
+    ),
+    (
+        f"{_OPS}.cache_locs.assign_extend_cache_locs_func",
+        _cpu_or_original(_assign_extend_cache_locs, "req_to_token", 1),
+    ),
+    (
+        f"{_OPS}.cache_locs.fill_front_out_cache_loc_func",
+        _cpu_or_original(cpu_kernels.fill_front_out_cache_loc, "out_cache_loc", 1),
+    ),
+    (
+        f"{_OPS}.eagle.fill_bonus_tokens_func",
+        _cpu_or_original(cpu_kernels.fill_bonus_tokens, "accept_lens", 1),
+    ),
+    (
+        f"{_OPS}.eagle.fill_accept_out_cache_loc_func",
+        _cpu_or_original(_fill_accept_out_cache_loc, "out_cache_loc", 1),
+    ),
+    (
+        "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
+        _cpu_or_original(_assign_req_to_token_pool, "req_to_token", 1),
+    ),
+)
+
+
+def install_hooks() -> None:
+    """Register the attention backend and the CPU hooks (applied by SGLang's plug-in loader)."""
+    from sglang.srt.arg_groups.choices import add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(create_cpu_attention_backend)
+        add_attention_backend_choices([BACKEND_NAME])
+    for target, hook in _HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)

@@ -1,0 +1,61 @@
+"""Entry point of the ``sglang.srt.plugins`` group: registers adatree in every SGLang process.
+
+SGLang calls ``register()`` in every process it starts (the launcher, the scheduler, the
+detokenizer, ...), before it parses arguments. Registration is therefore idempotent and cheap,
+and never assumes the device: the CPU hooks decide per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_registered = False
+
+
+def _worker_class(server_args: Any) -> type:
+    """The worker for the draft checkpoint's kind: EAGLE-style head or STANDALONE-style model."""
+    from sglang_adatree.sglang.spec_algo import detect_draft_kind
+    from sglang_adatree.sglang.worker import AdaTreeEagleWorker, AdaTreeStandaloneWorker
+
+    kind = detect_draft_kind(server_args.speculative_draft_model_path)
+    return AdaTreeStandaloneWorker if kind == "standalone" else AdaTreeEagleWorker
+
+
+def _server_info(result: Any, controller: Any, state: dict) -> None:
+    """AFTER hook on the scheduler's speculative readback: adatree's live state too."""
+    runtime = getattr(controller.scheduler.draft_worker, "_runtime", None)
+    if runtime is not None:
+        state.update(runtime.server_state())
+
+
+def register() -> None:
+    """Register the ``adatree`` speculative algorithm and the CPU path's hooks (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from sglang_adatree.sglang import cpu
+    from sglang_adatree.sglang.spec_algo import (
+        ALGORITHM_NAME,
+        AdaTreeSpecAlgo,
+        validate_server_args,
+    )
+
+    if get_spec(ALGORITHM_NAME) is None:
+        SpeculativeAlgorithm.register(
+            ALGORITHM_NAME,
+            supports_overlap=True,
+            validate_server_args=validate_server_args,
+            spec_class=AdaTreeSpecAlgo,
+        )(_worker_class)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController._add_speculative",
+        _server_info,
+        HookType.AFTER,
+    )
+    cpu.install_hooks()
+    _registered = True

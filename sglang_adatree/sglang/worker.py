@@ -1,0 +1,398 @@
+"""The adatree speculative worker: a new tree shape every decode step, verified losslessly.
+
+It extends SGLang's EAGLE V2 worker (EAGLE / EAGLE-3 heads) or its STANDALONE V2 worker (a
+separate small draft model). At start-up it builds one runtime state per candidate shape
+``(steps, topk, num_draft_tokens)``, no speculation included: draft attention backends, the
+target's verify backend and, on a GPU, their CUDA graphs. Each decode step it asks the
+adaptive runtime for a shape, swaps in that shape's state, runs SGLang's own draft / verify /
+draft-extend, and reports what happened when the accept counts reach the CPU.
+
+Top-k relay: the draft extend of every step produces candidates at the envelope's top-k, and
+each draft slices the prefix it needs (top-k outputs are sorted, so the prefix is exact). That
+keeps the relayed tensors one width whatever the next shape is.
+
+Tensor parallelism: the decision reads only the batch composition (request count and context
+lengths, identical on every rank) and the acceptance history (identical: every rank verifies
+the same tokens); measured step times, which differ per rank, reach the cost model only on
+rank 0, whose cost-model state is what ``decide`` reads after a broadcast of the chosen shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+from sglang.srt.speculative.eagle_utils import TreeMaskMode
+from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker, StandaloneWorkerV2
+
+from sglang_adatree.shapes import TreeShape, envelope
+from sglang_adatree.tree import AcceptedPathStats, accepted_path_stats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShapeState:
+    """Everything that must change together when the shape changes."""
+
+    shape: TreeShape
+    runtime: SpecRuntimeState
+    tree_mask_mode: Any  # SGLang's TreeMaskMode for this state's verify mask
+
+
+@dataclass
+class PendingStep:
+    """A launched decode step waiting for its accept counts to reach the CPU."""
+
+    shape: TreeShape
+    decision: Any
+    features: Any
+    batch_size: int
+    started: float
+    end_event: Any  # a device event on GPUs; None on CPUs (the step ran synchronously)
+    start_event: Any
+    finished: float | None
+    stats: AcceptedPathStats | None  # host copies; None without speculation
+
+
+def _relay_draft_worker(base: type) -> type:
+    """A subclass of SGLang's draft worker ``base`` with top-k relay and tree capture.
+
+    Installed by re-classing the draft worker SGLang built (a ``__class__`` swap to a direct
+    subclass that adds no state of its own), so SGLang's constructor runs unchanged.
+    """
+
+    class RelayDraftWorker(base):
+        relay_topk: int
+        last_top_scores_index: torch.Tensor | None = None
+        last_verify_input: Any = None
+
+        def draft(self, batch: Any, *, with_topology: bool = False) -> Any:
+            spec_info = batch.spec_info
+            if spec_info.topk_p is not None and spec_info.topk_p.shape[1] > self.topk:
+                # The relay carries relay_topk candidates; this shape drafts from the best.
+                spec_info.topk_p = spec_info.topk_p[:, : self.topk].contiguous()
+                spec_info.topk_index = spec_info.topk_index[:, : self.topk].contiguous()
+            verify_input, parent_list, top_scores_index = super().draft(batch, with_topology=True)
+            self.last_top_scores_index = top_scores_index
+            self.last_verify_input = verify_input
+            if with_topology:
+                return verify_input, parent_list, top_scores_index
+            return verify_input
+
+        @contextlib.contextmanager
+        def _relay_width(self) -> Any:
+            saved = self.topk
+            self.topk = self.relay_topk
+            try:
+                yield
+            finally:
+                self.topk = saved
+
+        def _draft_extend_for_prefill(self, *args: Any, **kwargs: Any) -> Any:
+            with self._relay_width():
+                return super()._draft_extend_for_prefill(*args, **kwargs)
+
+        def _draft_extend_for_decode(self, *args: Any, **kwargs: Any) -> Any:
+            with self._relay_width():
+                return super()._draft_extend_for_decode(*args, **kwargs)
+
+    RelayDraftWorker.__name__ = RelayDraftWorker.__qualname__ = f"AdaTreeRelay{base.__name__}"
+    return RelayDraftWorker
+
+
+_EagleRelayDraftWorker = _relay_draft_worker(EagleDraftWorker)
+_StandaloneRelayDraftWorker = _relay_draft_worker(StandaloneDraftWorker)
+
+
+def _set_spec_leaves(shape: TreeShape) -> None:
+    """Point SGLang's resolved spec config at ``shape`` (read by KV sizing and capture).
+
+    Written through the bag's setter rather than ``RuntimeContext.override``, which appends
+    to a provenance log on every call: a shape switch per step would grow it without bound.
+    """
+    bag = get_spec()
+    bag._set("speculative_num_steps", shape.steps)
+    bag._set("speculative_eagle_topk", shape.topk)
+    bag._set("speculative_num_draft_tokens", shape.num_draft_tokens)
+
+
+class AdaTreeWorkerMixin:
+    """The adaptive part, shared by the EAGLE-style and STANDALONE-style workers."""
+
+    _draft_worker: Any
+    _target_worker: Any
+    topk: int
+    speculative_num_steps: int
+    speculative_num_draft_tokens: int
+    device: Any
+
+    def _adatree_setup(self, relay_class: type) -> None:
+        from sglang_adatree.sglang.serving import create_runtime
+
+        self._runtime = create_runtime(self)
+        candidates = self._runtime.candidate_shapes
+        self._envelope = envelope(candidates)
+        dw = self._draft_worker
+        dw.__class__ = relay_class
+        dw.relay_topk = self._envelope.topk
+        self._shape_states: dict[TreeShape, ShapeState] = {}
+        self._current_shape = TreeShape(
+            self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens
+        )
+        self._pending: collections.deque[PendingStep] = collections.deque()
+        self._is_rank0 = get_parallel().tp_rank == 0
+        self._on_cpu = torch.device(self.device).type == "cpu"
+
+    # -- runtime states ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _shape_override(self, shape: TreeShape) -> Any:
+        dw = self._draft_worker
+        saved = (
+            self.speculative_num_steps,
+            self.speculative_num_draft_tokens,
+            self.topk,
+            dw.speculative_num_steps,
+            dw.speculative_num_draft_tokens,
+            dw.topk,
+        )
+        self._set_worker_shape(shape)
+        try:
+            yield
+        finally:
+            (
+                self.speculative_num_steps,
+                self.speculative_num_draft_tokens,
+                self.topk,
+                dw.speculative_num_steps,
+                dw.speculative_num_draft_tokens,
+                dw.topk,
+            ) = saved
+            _set_spec_leaves(self._current_shape)
+            dw._rebuild_topk1_chain_buffers()
+
+    def _set_worker_shape(self, shape: TreeShape) -> None:
+        dw = self._draft_worker
+        self.speculative_num_steps = dw.speculative_num_steps = shape.steps
+        self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = shape.num_draft_tokens
+        self.topk = dw.topk = shape.topk
+        _set_spec_leaves(shape)
+        dw._rebuild_topk1_chain_buffers()
+
+    def _build_shape_state(self, shape: TreeShape) -> ShapeState:
+        """Draft backends, verify backend and (on a GPU) graphs for one shape."""
+        from sglang.srt.model_executor.runner import DecodeCudaGraphRunner
+
+        dw = self._draft_worker
+        tic = time.perf_counter()
+        with self._shape_override(shape):
+            dw.init_attention_backend()
+            dw._capture_cuda_graphs()
+            target_runner = self._target_worker.model_runner
+            saved_workspace = target_runner.init_new_workspace
+            try:
+                target_attn_backend = target_runner._get_attention_backend(init_new_workspace=True)
+            finally:
+                target_runner.init_new_workspace = saved_workspace
+            target_graph_runner = None
+            if not self._on_cpu and not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED):
+                target_graph_runner = DecodeCudaGraphRunner(
+                    target_runner,
+                    attn_backend=target_attn_backend,
+                    speculative_num_steps=shape.steps,
+                    speculative_num_draft_tokens=shape.num_draft_tokens,
+                )
+            runtime = SpecRuntimeState(
+                speculative_num_steps=shape.steps,
+                speculative_num_draft_tokens=shape.num_draft_tokens,
+                draft_attn_backend=dw.draft_attn_backend,
+                cuda_graph_runner=dw.cuda_graph_runner,
+                target_attn_backend=target_attn_backend,
+                target_graph_runner=target_graph_runner,
+                draft_extend_attn_backend=dw.draft_extend_attn_backend,
+                cuda_graph_runner_for_draft_extend=dw.cuda_graph_runner_for_draft_extend,
+            )
+            # The CPU verify path reads the tree part of the mask only (n x n per request).
+            mask_mode = TreeMaskMode.QLEN_ONLY if self._on_cpu else dw.tree_mask_mode
+        logger.info("adatree: built runtime state %s in %.2fs", shape, time.perf_counter() - tic)
+        return ShapeState(shape=shape, runtime=runtime, tree_mask_mode=mask_mode)
+
+    def _apply_shape(self, shape: TreeShape) -> None:
+        if shape == self._current_shape:
+            return
+        state = self._shape_states[shape]
+        dw = self._draft_worker
+        self._current_shape = shape
+        self._set_worker_shape(shape)
+        rt = state.runtime
+        dw.draft_attn_backend = rt.draft_attn_backend
+        dw.draft_runner.draft_attn_backend = rt.draft_attn_backend
+        dw.cuda_graph_runner = rt.cuda_graph_runner
+        dw.draft_extend_attn_backend = rt.draft_extend_attn_backend
+        if rt.draft_extend_attn_backend is not None:
+            dw.draft_runner.attn_backend = rt.draft_extend_attn_backend
+        dw.cuda_graph_runner_for_draft_extend = rt.cuda_graph_runner_for_draft_extend
+        dw.tree_mask_mode = state.tree_mask_mode
+        target_runner = self._target_worker.model_runner
+        target_runner.attn_backend = rt.target_attn_backend
+        target_runner.decode_cuda_graph_runner = rt.target_graph_runner
+
+    def _build_all_states(self) -> None:
+        tic = time.perf_counter()
+        for shape in self._runtime.candidate_shapes:
+            self._shape_states[shape] = self._build_shape_state(shape)
+        logger.info(
+            "adatree: %d runtime states ready in %.1fs (envelope %s)",
+            len(self._shape_states),
+            time.perf_counter() - tic,
+            self._envelope,
+        )
+        first = self._runtime.candidate_shapes[-1]
+        self._current_shape = TreeShape(
+            self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens
+        )
+        self._apply_shape(first)
+
+    # -- the decode step --------------------------------------------------------------------
+
+    def activate_step_by_batch(self, batch_size: int) -> None:
+        # The shape was chosen in forward_batch_generation, with more than the batch size.
+        return None
+
+    def _decide(self, batch: Any) -> tuple[Any, Any]:
+        """Rank 0's decision for this batch, the same on every tensor-parallel rank."""
+        # Context lengths come from the requests (host memory, identical on every rank).
+        context_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
+        decision, features = self._runtime.decide(context_lens)
+        tp_group = get_parallel().tp_group
+        if tp_group.world_size > 1:
+            decision = tp_group.broadcast_object(decision, src=0)
+        return decision, features
+
+    def _decode_step(self, run_step: Any, batch: Any) -> Any:
+        decision, features = self._decide(batch)
+        self._apply_shape(decision.shape)
+        shape = decision.shape
+        start_event = end_event = None
+        if not self._on_cpu:
+            device_module = torch.get_device_module(self.device)
+            start_event = device_module.Event(enable_timing=True)
+            end_event = device_module.Event(enable_timing=True)
+            start_event.record()
+        started = time.perf_counter()
+        dw = self._draft_worker
+        dw.last_top_scores_index = dw.last_verify_input = None
+        output = run_step()
+        finished = None
+        if end_event is not None:
+            end_event.record()
+        else:
+            finished = time.perf_counter()
+        stats = None
+        verify_input = dw.last_verify_input
+        if shape.speculative and verify_input is not None:
+            stats = accepted_path_stats(
+                accept_index=output.accept_index,
+                accept_token_num=output.accept_lens - 1,
+                retrieve_next_token=verify_input.retrieve_next_token,
+                retrieve_next_sibling=verify_input.retrieve_next_sibling,
+                top_scores_index=dw.last_top_scores_index,
+                topk=shape.topk,
+            )
+            if not self._on_cpu:
+                stats = _to_host(stats)
+        self._pending.append(
+            PendingStep(
+                shape=shape,
+                decision=decision,
+                features=features,
+                batch_size=len(batch.reqs),
+                started=started,
+                start_event=start_event,
+                end_event=end_event,
+                finished=finished,
+                stats=stats,
+            )
+        )
+        # A step whose results never come back (an aborted batch) must not pin memory.
+        while len(self._pending) > 8:
+            self._pending.popleft()
+        return output
+
+    def on_verify_complete_cpu(
+        self, num_correct_drafts_per_req: list[int], batch_size: int = 0
+    ) -> None:
+        if not self._pending:
+            return
+        step = self._pending.popleft()
+        if step.end_event is not None:
+            # The scheduler copied this step's results to the host, so the step is done.
+            measured_ms = step.start_event.elapsed_time(step.end_event)
+        else:
+            measured_ms = (step.finished - step.started) * 1000.0
+        self._runtime.complete_step(
+            decision=step.decision,
+            features=step.features,
+            measured_ms=measured_ms,
+            num_correct_drafts_per_req=list(num_correct_drafts_per_req),
+            stats=step.stats,
+            record_timing=self._is_rank0,
+        )
+
+
+def _to_host(stats: AcceptedPathStats) -> AcceptedPathStats:
+    """Queue device-to-host copies into pinned buffers; read after the step's results are."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    return AcceptedPathStats(copy(stats.num_children), copy(stats.accepted_rank))
+
+
+def _forward(self: Any, base: type, batch: Any, **kwargs: Any) -> Any:
+    is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+    if not is_decode or batch.forward_mode.is_idle():
+        return base.forward_batch_generation(self, batch, **kwargs)
+    return self._decode_step(lambda: base.forward_batch_generation(self, batch, **kwargs), batch)
+
+
+class AdaTreeEagleWorker(AdaTreeWorkerMixin, EAGLEWorkerV2):
+    """adatree over an EAGLE / EAGLE-3 head that reads the target's hidden states."""
+
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any):
+        EAGLEWorkerV2.__init__(self, server_args, gpu_id, nccl_port, target_worker)
+        self._adatree_setup(_EagleRelayDraftWorker)
+
+    def init_cuda_graphs(self) -> None:
+        EAGLEWorkerV2.init_cuda_graphs(self)
+        self._build_all_states()
+
+    def forward_batch_generation(self, batch: Any, **kwargs: Any) -> Any:
+        return _forward(self, EAGLEWorkerV2, batch, **kwargs)
+
+
+class AdaTreeStandaloneWorker(AdaTreeWorkerMixin, StandaloneWorkerV2):
+    """adatree over a separate small draft model with the target's vocabulary."""
+
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any):
+        StandaloneWorkerV2.__init__(self, server_args, gpu_id, nccl_port, target_worker)
+        self._adatree_setup(_StandaloneRelayDraftWorker)
+
+    def init_cuda_graphs(self) -> None:
+        StandaloneWorkerV2.init_cuda_graphs(self)
+        self._build_all_states()
+
+    def forward_batch_generation(self, batch: Any, **kwargs: Any) -> Any:
+        return _forward(self, StandaloneWorkerV2, batch, **kwargs)

@@ -1,0 +1,138 @@
+"""The serving loop without SGLang: decisions, telemetry rows, operator control, refits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from sqlalchemy import insert, select
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.runtime import AdaTreeRuntime, accepted_counts, make_policy
+from sglang_adatree.shapes import TreeShape
+from sglang_adatree.telemetry.models import Pin, Step
+from sglang_adatree.telemetry.records import RunRecord
+from sglang_adatree.telemetry.store import get_engine, upgrade
+from sglang_adatree.tree import AcceptedPathStats
+
+CHAIN = TreeShape(3, 1, 4)
+TREE = TreeShape(2, 2, 4)
+
+
+def _config(tmp_path, **kw) -> AdaTreeConfig:
+    url = f"sqlite:///{tmp_path / 'adatree.sqlite'}"
+    upgrade(url)
+    values = dict(
+        candidate_shapes="0;3,1,4;2,2,4",
+        db_url=url,
+        warmup_steps=0,
+        explore_fraction=0.0,
+        control_poll_s=0.1,
+        telemetry_flush_s=0.05,
+    )
+    values.update(kw)
+    return AdaTreeConfig().replace(**values)
+
+
+RUN = RunRecord(
+    target_model="t", draft_model="d", device="cpu", sglang_version="x", package_version="y"
+)
+
+
+def _stats(batch: int, shape: TreeShape, accepted: int) -> AcceptedPathStats:
+    ranks = torch.full((batch, shape.steps), -1, dtype=torch.int64)
+    ranks[:, :accepted] = 0
+    children = torch.zeros((batch, shape.steps), dtype=torch.int64)
+    children[:, : accepted + 1] = shape.topk
+    return AcceptedPathStats(children[:, : shape.steps], ranks)
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_decide_and_record_one_row_per_step(tmp_path):
+    runtime = AdaTreeRuntime(_config(tmp_path), RUN)
+    try:
+        for _ in range(5):
+            decision, features = runtime.decide([100, 40])
+            runtime.complete_step(
+                decision,
+                features,
+                20.0,
+                [2, 1],
+                _stats(2, decision.shape, 1) if decision.shape.speculative else None,
+            )
+        runtime.writer.flush()
+        with get_engine(runtime.config.resolved_db_url).connect() as conn:
+            rows = conn.execute(select(Step).order_by(Step.step_index)).all()
+        assert [r.step_index for r in rows] == list(range(5))
+        assert all(r.batch_size == 2 and r.sum_context_len == 140 for r in rows)
+        assert all(r.emitted_tokens == 5 and r.measured_accept_len == 2.5 for r in rows)
+        state = runtime.server_state()
+        assert state["adatree_steps"] == 5 and state["adatree_recent_accept_length"] == 2.5
+    finally:
+        runtime.close()
+
+
+def test_pin_from_store_applies_at_next_step(tmp_path):
+    config = _config(tmp_path)
+    runtime = AdaTreeRuntime(config, RUN)
+    try:
+        with get_engine(config.resolved_db_url).begin() as conn:
+            conn.execute(
+                insert(Pin).values(
+                    steps=2,
+                    topk=2,
+                    num_draft_tokens=4,
+                    reason="test",
+                    created_at=time.time(),
+                    created_by="pytest",
+                )
+            )
+        _wait(lambda: runtime._pending is not None or runtime.policy.pins)
+        decision, _ = runtime.decide([10])
+        assert decision.shape == TREE and decision.source == "pin"
+        assert runtime.server_state()["adatree_pins"] == ["2,2,4"]
+    finally:
+        runtime.close()
+
+
+def test_analytic_model_refits_on_measured_steps(tmp_path):
+    runtime = AdaTreeRuntime(_config(tmp_path, record_steps=False), None)
+    try:
+        # A CPU-like deployment: 40 ms per step plus 10 ms per verified token.
+        for i in range(200):
+            shape = runtime.candidate_shapes[i % 3]
+            decision, features = runtime.decide([50 + i])
+            decision = type(decision)(shape, "explore", 1.0, 1.0)
+            measured = 40.0 + 10.0 * shape.num_draft_tokens
+            runtime.complete_step(decision, features, measured, [0])
+        _wait(lambda: runtime._pending is not None)
+        runtime.decide([60])
+        predicted = runtime.policy.cost_model.predict_ms_many(features, runtime.candidate_shapes)
+        expected = [40.0 + 10.0 * s.num_draft_tokens for s in runtime.candidate_shapes]
+        assert predicted == pytest.approx(expected, rel=0.05)
+    finally:
+        runtime.close()
+
+
+def test_accepted_counts():
+    stats = AcceptedPathStats(
+        torch.tensor([[2, 2, 0], [2, 0, 0]]), torch.tensor([[0, 1, -1], [-1, -1, -1]])
+    )
+    offered, by_depth, by_rank = accepted_counts(stats, topk=2)
+    assert offered == (4, 2, 0)
+    assert by_depth == (1, 1, 0)
+    assert by_rank == (1, 1)
+
+
+def test_unknown_policy_name_is_a_config_error():
+    with pytest.raises(ValueError, match="policy"):
+        AdaTreeConfig().replace(policy="magic")
+    policy = make_policy(AdaTreeConfig(), None, None)  # type: ignore[arg-type]
+    assert type(policy).__name__ == "Policy"

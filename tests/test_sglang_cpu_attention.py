@@ -1,0 +1,249 @@
+"""The CPU attention backend against per-request reference attention.
+
+SGLang objects (runner, KV pool, forward batch, layer) are small fakes here; the end-to-end
+tests run the backend inside a real SGLang server.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_adatree.sglang.cpu_attention import (
+    AdaTreeCpuAttnBackend,
+    AdaTreeCpuMultiStepDraftBackend,
+)
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+torch.manual_seed(0)
+
+
+class FakePool:
+    """Token-indexed K/V buffers with SGLang's pool interface (one layer)."""
+
+    def __init__(self, slots: int) -> None:
+        self.k = torch.zeros(slots, KV_HEADS, DIM)
+        self.v = torch.zeros(slots, KV_HEADS, DIM)
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[loc.loc] = k.view(-1, KV_HEADS, DIM)
+        self.v[loc.loc] = v.view(-1, KV_HEADS, DIM)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v
+
+
+@dataclass
+class Mode:
+    name: str
+
+    def is_idle(self) -> bool:
+        return False
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_target_verify(self) -> bool:
+        return self.name == "verify"
+
+
+LAYER = SimpleNamespace(
+    tp_q_head_num=HEADS,
+    tp_k_head_num=KV_HEADS,
+    qk_head_dim=DIM,
+    v_head_dim=DIM,
+    scaling=DIM**-0.5,
+    layer_id=0,
+)
+
+
+def _runner(slots: int = 400, reqs: int = 4, width: int = 64):
+    req_to_token = torch.randperm(slots)[: reqs * width].view(reqs, width).to(torch.int32)
+    return SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        token_to_kv_pool=FakePool(slots),
+        kv_index_translator=None,
+        sliding_window_size=None,
+    )
+
+
+def _reference(q, keys, values, allowed):
+    """q [H, D]; keys/values [L, KVH, D]; allowed [L] bool -> [H, D]."""
+    k = keys.repeat_interleave(HEADS // KV_HEADS, dim=1)  # [L, H, D]
+    v = values.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q, k) * LAYER.scaling
+    scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+
+
+def _fill_cache(runner, req: int, length: int) -> None:
+    slots = runner.req_to_token_pool.req_to_token[req, :length].long()
+    runner.token_to_kv_pool.k[slots] = torch.randn(length, KV_HEADS, DIM)
+    runner.token_to_kv_pool.v[slots] = torch.randn(length, KV_HEADS, DIM)
+
+
+def test_extend_matches_reference_with_prefix_and_padding():
+    runner = _runner()
+    backend = AdaTreeCpuAttnBackend(runner)
+    reqs = torch.tensor([2, 0, 3])
+    prefix = torch.tensor([5, 0, 9])
+    extend = torch.tensor([3, 6, 1])
+    for r, p in zip(reqs.tolist(), prefix.tolist(), strict=True):
+        _fill_cache(runner, r, p)
+    rtt = runner.req_to_token_pool.req_to_token
+    out_cache_loc = torch.cat(
+        [rtt[r, p : p + e] for r, p, e in zip(reqs, prefix, extend, strict=True)]
+    ).long()
+    fb = SimpleNamespace(
+        forward_mode=Mode("extend"),
+        req_pool_indices=reqs,
+        seq_lens=prefix + extend,
+        extend_prefix_lens=prefix,
+        extend_seq_lens=extend,
+        out_cache_loc=out_cache_loc,
+    )
+    n = int(extend.sum())
+    q, k, v = (
+        torch.randn(n, HEADS * DIM),
+        torch.randn(n, KV_HEADS * DIM),
+        torch.randn(n, KV_HEADS * DIM),
+    )
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, v, LAYER, fb).view(n, HEADS, DIM)
+    pool = runner.token_to_kv_pool
+    row = 0
+    for r, p, e in zip(reqs.tolist(), prefix.tolist(), extend.tolist(), strict=True):
+        slots = rtt[r, : p + e].long()
+        for i in range(e):
+            allowed = torch.arange(p + e) <= p + i
+            ref = _reference(q[row + i].view(HEADS, DIM), pool.k[slots], pool.v[slots], allowed)
+            torch.testing.assert_close(out[row + i], ref, atol=1e-5, rtol=1e-5)
+        row += e
+
+
+@pytest.mark.parametrize("layout", ["qlen", "full"])
+def test_verify_applies_the_tree_mask(layout):
+    runner = _runner()
+    backend = AdaTreeCpuAttnBackend(runner)
+    reqs = torch.tensor([1, 3])
+    prefix = torch.tensor([4, 7])
+    n = 4
+    # Node 0 root; 1 and 2 children of the root; 3 child of 1.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    for r, p in zip(reqs.tolist(), prefix.tolist(), strict=True):
+        _fill_cache(runner, r, p)
+    if layout == "qlen":
+        custom_mask = tree.repeat(2, 1, 1).flatten()
+    else:
+        custom_mask = torch.cat(
+            [torch.cat([torch.ones(n, p, dtype=torch.bool), tree], 1).flatten() for p in prefix]
+        )
+    rtt = runner.req_to_token_pool.req_to_token
+    out_cache_loc = torch.cat([rtt[r, p : p + n] for r, p in zip(reqs, prefix, strict=True)])
+    fb = SimpleNamespace(
+        forward_mode=Mode("verify"),
+        req_pool_indices=reqs,
+        seq_lens=prefix,
+        out_cache_loc=out_cache_loc.long(),
+        spec_info=SimpleNamespace(draft_token_num=n, custom_mask=custom_mask),
+    )
+    q, k, v = (
+        torch.randn(2 * n, HEADS * DIM),
+        torch.randn(2 * n, KV_HEADS * DIM),
+        torch.randn(2 * n, KV_HEADS * DIM),
+    )
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, v, LAYER, fb).view(2 * n, HEADS, DIM)
+    pool = runner.token_to_kv_pool
+    for b, (r, p) in enumerate(zip(reqs.tolist(), prefix.tolist(), strict=True)):
+        slots = rtt[r, : p + n].long()
+        for i in range(n):
+            allowed = torch.cat([torch.ones(p, dtype=torch.bool), tree[i]])
+            ref = _reference(q[b * n + i].view(HEADS, DIM), pool.k[slots], pool.v[slots], allowed)
+            torch.testing.assert_close(out[b * n + i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_reads_each_request_slots():
+    runner = _runner()
+    backend = AdaTreeCpuAttnBackend(runner)
+    reqs = torch.tensor([0, 2])
+    seq_lens = torch.tensor([6, 2])
+    rtt = runner.req_to_token_pool.req_to_token
+    for r, s in zip(reqs.tolist(), seq_lens.tolist(), strict=True):
+        _fill_cache(runner, r, s - 1)
+    out_cache_loc = torch.stack([rtt[r, s - 1] for r, s in zip(reqs, seq_lens, strict=True)])
+    fb = SimpleNamespace(
+        forward_mode=Mode("decode"),
+        req_pool_indices=reqs,
+        seq_lens=seq_lens,
+        out_cache_loc=out_cache_loc.long(),
+    )
+    q, k, v = (
+        torch.randn(2, HEADS * DIM),
+        torch.randn(2, KV_HEADS * DIM),
+        torch.randn(2, KV_HEADS * DIM),
+    )
+    backend.init_forward_metadata(fb)
+    out = backend.forward_decode(q, k, v, LAYER, fb).view(2, HEADS, DIM)
+    pool = runner.token_to_kv_pool
+    for b, (r, s) in enumerate(zip(reqs.tolist(), seq_lens.tolist(), strict=True)):
+        slots = rtt[r, :s].long()
+        ref = _reference(
+            q[b].view(HEADS, DIM), pool.k[slots], pool.v[slots], torch.ones(s, dtype=torch.bool)
+        )
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_branches_read_prefix_and_their_own_slots():
+    runner = _runner()
+    topk, steps = 2, 3
+    multi = AdaTreeCpuMultiStepDraftBackend(runner, topk, steps)
+    assert len(multi.attn_backends) == steps - 1
+    reqs = torch.tensor([3, 1])
+    seq_lens = torch.tensor([5, 8])
+    rtt = runner.req_to_token_pool.req_to_token
+    for r, s in zip(reqs.tolist(), seq_lens.tolist(), strict=True):
+        _fill_cache(runner, r, s + topk * steps)  # prefix and every branch slot hold data
+    fb = SimpleNamespace(forward_mode=Mode("decode"), req_pool_indices=reqs, seq_lens=seq_lens)
+    multi.init_forward_metadata(fb)
+    pool = runner.token_to_kv_pool
+    for i, backend in enumerate(multi.attn_backends):
+        # Step i writes the token at slot seq_len + t * steps + i of each branch t.
+        out_cache_loc = torch.stack(
+            [
+                rtt[r, s + t * steps + i]
+                for r, s in zip(reqs.tolist(), seq_lens.tolist(), strict=True)
+                for t in range(topk)
+            ]
+        ).long()
+        rows = len(reqs) * topk
+        q, k, v = (
+            torch.randn(rows, HEADS * DIM),
+            torch.randn(rows, KV_HEADS * DIM),
+            torch.randn(rows, KV_HEADS * DIM),
+        )
+        step_fb = SimpleNamespace(out_cache_loc=out_cache_loc)
+        out = backend.forward_decode(q, k, v, LAYER, step_fb).view(rows, HEADS, DIM)
+        for b, (r, s) in enumerate(zip(reqs.tolist(), seq_lens.tolist(), strict=True)):
+            for t in range(topk):
+                own = [s + t * steps + j for j in range(i + 1)]
+                slots = torch.cat([rtt[r, :s], rtt[r, own]]).long()
+                ref = _reference(
+                    q[b * topk + t].view(HEADS, DIM),
+                    pool.k[slots],
+                    pool.v[slots],
+                    torch.ones(len(slots), dtype=torch.bool),
+                )
+                torch.testing.assert_close(out[b * topk + t], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_translating_pool_refused():
+    runner = _runner()
+    runner.kv_index_translator = SimpleNamespace(is_translating=True)
+    with pytest.raises(ValueError, match="translating"):
+        AdaTreeCpuAttnBackend(runner)
