@@ -79,3 +79,11 @@ def test_to_dict_covers_every_setting():
     d = AdaTreeConfig().to_dict()
     assert set(d) == {s.name for s in SETTINGS}
     assert d["candidate_shapes"][0] == "0,1,1"
+
+
+def test_every_setting_is_documented():
+    from pathlib import Path
+
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    for setting in SETTINGS:
+        assert f"| `{setting.name}` | `ADATREE_{setting.name.upper()}` |" in usage, setting.name

@@ -37,7 +37,7 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_adatree.sglang import cpu
+    from sglang_adatree.sglang import cpu, profiling
     from sglang_adatree.sglang.spec_algo import (
         ALGORITHM_NAME,
         AdaTreeSpecAlgo,
@@ -58,4 +58,5 @@ def register() -> None:
         HookType.AFTER,
     )
     cpu.install_hooks()
+    profiling.install_hooks()
     _registered = True

@@ -34,6 +34,7 @@ from sglang.srt.speculative.eagle_utils import TreeMaskMode
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker, StandaloneWorkerV2
 
+from sglang_adatree.sglang.profiling import StepProfiler
 from sglang_adatree.shapes import TreeShape, envelope
 from sglang_adatree.tree import AcceptedPathStats, accepted_path_stats
 
@@ -152,6 +153,7 @@ class AdaTreeWorkerMixin:
         self._pending: collections.deque[PendingStep] = collections.deque()
         self._is_rank0 = get_parallel().tp_rank == 0
         self._on_cpu = torch.device(self.device).type == "cpu"
+        self._profiler = StepProfiler()
 
     # -- runtime states ---------------------------------------------------------------------
 
@@ -280,6 +282,10 @@ class AdaTreeWorkerMixin:
         return decision, features
 
     def _decode_step(self, run_step: Any, batch: Any) -> Any:
+        # On a CPU the step's wall time, decision and bookkeeping included, is its cost; on a
+        # GPU, device events bracket the step's work without a sync.
+        self._profiler.begin()
+        started = time.perf_counter()
         decision, features = self._decide(batch)
         self._apply_shape(decision.shape)
         shape = decision.shape
@@ -289,15 +295,12 @@ class AdaTreeWorkerMixin:
             start_event = device_module.Event(enable_timing=True)
             end_event = device_module.Event(enable_timing=True)
             start_event.record()
-        started = time.perf_counter()
         dw = self._draft_worker
         dw.last_top_scores_index = dw.last_verify_input = None
         output = run_step()
         finished = None
         if end_event is not None:
             end_event.record()
-        else:
-            finished = time.perf_counter()
         stats = None
         verify_input = dw.last_verify_input
         if shape.speculative and verify_input is not None:
@@ -311,6 +314,9 @@ class AdaTreeWorkerMixin:
             )
             if not self._on_cpu:
                 stats = _to_host(stats)
+        if end_event is None:
+            finished = time.perf_counter()
+            self._profiler.end(str(shape), len(batch.reqs), finished - started)
         self._pending.append(
             PendingStep(
                 shape=shape,

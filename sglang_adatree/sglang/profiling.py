@@ -1,0 +1,80 @@
+"""Where a decode step's time goes: model forwards against everything around them.
+
+Off unless ``ADATREE_PROFILE_PATH`` names a file. Then every ``ModelRunner.forward`` call (the
+target's verify pass, each draft pass, the draft extend) is timed, and the worker appends one
+JSON line per decode step to that file: the shape, the batch size, the step's wall time and
+the part of it spent inside model forwards. ``adatree profile`` reads these lines to report the
+overhead of the speculative machinery around the models.
+
+Forward times are host wall time, which on a CPU is the computation itself; on a GPU they
+would only cover kernel launches, so the profile is a CPU tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+PROFILE_ENV = "ADATREE_PROFILE_PATH"
+
+
+class ForwardClock:
+    """Seconds spent inside model forwards, summed since the process started."""
+
+    seconds = 0.0
+    calls = 0
+
+
+def _timed_forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    started = time.perf_counter()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        ForwardClock.seconds += time.perf_counter() - started
+        ForwardClock.calls += 1
+
+
+def install_hooks() -> None:
+    """Time model forwards when profiling is requested (registered at plug-in load)."""
+    if not os.environ.get(PROFILE_ENV):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        _timed_forward,
+        HookType.AROUND,
+    )
+
+
+class StepProfiler:
+    """Appends one JSON line per decode step while profiling is on; a no-op otherwise."""
+
+    def __init__(self) -> None:
+        path = os.environ.get(PROFILE_ENV)
+        self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives with the worker
+        self._forward_s = 0.0
+        self._calls = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def begin(self) -> None:
+        self._forward_s = ForwardClock.seconds
+        self._calls = ForwardClock.calls
+
+    def end(self, shape: str, batch_size: int, step_s: float) -> None:
+        if self._file is None:
+            return
+        record = {
+            "shape": shape,
+            "batch_size": batch_size,
+            "step_ms": step_s * 1000.0,
+            "forward_ms": (ForwardClock.seconds - self._forward_s) * 1000.0,
+            "forward_calls": ForwardClock.calls - self._calls,
+        }
+        self._file.write(json.dumps(record) + "\n")
