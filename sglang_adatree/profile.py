@@ -31,7 +31,9 @@ import requests
 from sglang_adatree.shapes import parse_candidates
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
-CPU_SERVER_FLAGS = ("--device", "cpu", "--disable-cuda-graph", "--dtype", "float32")
+CPU_SERVER_FLAGS = (
+    "--device", "cpu", "--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ CPU_FLAGS = (
     "--device",
     "cpu",
     "--disable-cuda-graph",
+    "--sleep-on-idle",
     "--dtype",
     "float32",
     "--max-total-tokens",

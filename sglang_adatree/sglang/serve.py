@@ -6,7 +6,8 @@ adatree's options become the environment every SGLang process inherits (``ADATRE
 launcher replaces this process (``exec``), so signals reach SGLang directly.
 
 On ``--device cpu`` it also supplies the settings SGLang needs there, unless given:
-``--disable-cuda-graph``, ``--max-total-tokens 32768`` (SGLang sizes the KV pool from free
+``--disable-cuda-graph``, ``--sleep-on-idle`` (an idle scheduler busy-polls a core otherwise),
+``--max-total-tokens 32768`` (SGLang sizes the KV pool from free
 memory otherwise: most of the machine), ``--dtype float32``, one tokenizer and one
 detokenizer process, and ``OMP_NUM_THREADS`` = the CPU count for the model process.
 """
@@ -23,6 +24,9 @@ from sglang_adatree.shapes import ShapeError, parse_candidates
 
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--disable-cuda-graph", None),
+    # An idle scheduler otherwise polls for requests in a busy loop: a whole core of a small
+    # machine, taken from the tokenizer, the client and everything else.
+    ("--sleep-on-idle", None),
     ("--max-total-tokens", "32768"),
     ("--dtype", "float32"),
 )
