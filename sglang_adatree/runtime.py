@@ -336,5 +336,17 @@ class AdaTreeRuntime:
         return OnlineCostModel(fitted, self.config.residual_decay)
 
 
+def broadcast_decision(decision: Any, group: Any) -> Any:
+    """Rank 0's decision on every rank of ``group`` (SGLang's ``GroupCoordinator``).
+
+    Each rank's policy sees the same batches and acceptance, but measures its own step times,
+    so cost corrections (and with them decisions) could drift apart; every rank runs rank 0's.
+    One small object over the CPU group per step.
+    """
+    if group.world_size <= 1:
+        return decision
+    return group.broadcast_object(decision, src=0)
+
+
 def _predicted(decision: Decision) -> float:
     return decision.predicted_ms

@@ -33,7 +33,9 @@ from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker, StandaloneWorkerV2
+from sglang.srt.utils.common import get_available_gpu_memory
 
+from sglang_adatree.runtime import broadcast_decision
 from sglang_adatree.sglang.profiling import StepProfiler
 from sglang_adatree.shapes import TreeShape, envelope
 from sglang_adatree.tree import AcceptedPathStats, accepted_path_stats
@@ -197,6 +199,7 @@ class AdaTreeWorkerMixin:
 
         dw = self._draft_worker
         tic = time.perf_counter()
+        free_before = None if self._on_cpu else get_available_gpu_memory(self.device, self.gpu_id)
         with self._shape_override(shape):
             dw.init_attention_backend()
             dw._capture_cuda_graphs()
@@ -226,7 +229,13 @@ class AdaTreeWorkerMixin:
             )
             # The CPU verify path reads the tree part of the mask only (n x n per request).
             mask_mode = TreeMaskMode.QLEN_ONLY if self._on_cpu else dw.tree_mask_mode
-        logger.info("adatree: built runtime state %s in %.2fs", shape, time.perf_counter() - tic)
+        memory = ""
+        if free_before is not None:
+            used = free_before - get_available_gpu_memory(self.device, self.gpu_id)
+            memory = f", {used:.2f} GB of graphs"
+        logger.info(
+            "adatree: built runtime state %s in %.2fs%s", shape, time.perf_counter() - tic, memory
+        )
         return ShapeState(shape=shape, runtime=runtime, tree_mask_mode=mask_mode)
 
     def _apply_shape(self, shape: TreeShape) -> None:
@@ -276,10 +285,7 @@ class AdaTreeWorkerMixin:
         # Context lengths come from the requests (host memory, identical on every rank).
         context_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
         decision, features = self._runtime.decide(context_lens)
-        tp_group = get_parallel().tp_group
-        if tp_group.world_size > 1:
-            decision = tp_group.broadcast_object(decision, src=0)
-        return decision, features
+        return broadcast_decision(decision, get_parallel().tp_group), features
 
     def _decode_step(self, run_step: Any, batch: Any) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost; on a
