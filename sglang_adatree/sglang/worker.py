@@ -11,10 +11,10 @@ Top-k relay: the draft extend of every step produces candidates at the envelope'
 each draft slices the prefix it needs (top-k outputs are sorted, so the prefix is exact). That
 keeps the relayed tensors one width whatever the next shape is.
 
-Tensor parallelism: the decision reads only the batch composition (request count and context
-lengths, identical on every rank) and the acceptance history (identical: every rank verifies
-the same tokens); measured step times, which differ per rank, reach the cost model only on
-rank 0, whose cost-model state is what ``decide`` reads after a broadcast of the chosen shape.
+Tensor parallelism: every rank must run the same shape. Features (request count and context
+lengths) and acceptance (every rank verifies the same tokens) are the same on all ranks, but
+measured step times are not, so cost corrections could drift apart: rank 0 decides and
+broadcasts its decision (``runtime.broadcast_decision``), and every rank runs it.
 """
 
 from __future__ import annotations
