@@ -193,6 +193,14 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 < v <= 1.0,
     ),
     Setting(
+        "skip_idle_draft_extend",
+        True,
+        "true / false",
+        "steps without speculation skip the draft's KV catch-up (no cost over plain decoding; "
+        "a request drafts worse after speculation resumes)",
+        _bool,
+    ),
+    Setting(
         "db_url",
         None,
         "a SQLAlchemy URL, or empty for SQLite under home",
@@ -264,6 +272,7 @@ class AdaTreeConfig:
     acceptance_prior: float = 0.6
     acceptance_prior_weight: float = 20.0
     residual_decay: float = 0.05
+    skip_idle_draft_extend: bool = True
     db_url: str | None = None
     home: str | None = None
     record_steps: bool = True

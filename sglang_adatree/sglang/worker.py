@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +157,9 @@ class AdaTreeWorkerMixin:
         self._is_rank0 = get_parallel().tp_rank == 0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
+        if self._runtime.config.skip_idle_draft_extend:
+            # SGLang's own switch, read on every step without speculation in this process.
+            os.environ["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] = "1"
 
     # -- runtime states ---------------------------------------------------------------------
 
@@ -275,6 +279,15 @@ class AdaTreeWorkerMixin:
         self._apply_shape(first)
 
     # -- the decode step --------------------------------------------------------------------
+
+    def _stub_skipped_draft_extend(self, batch: Any, batch_output: Any) -> None:
+        # Placeholders for a skipped draft extend, at the relay width every shape slices.
+        saved = self.topk
+        self.topk = self._envelope.topk
+        try:
+            super()._stub_skipped_draft_extend(batch, batch_output)
+        finally:
+            self.topk = saved
 
     def activate_step_by_batch(self, batch_size: int) -> None:
         # The shape was chosen in forward_batch_generation, with more than the batch size.
