@@ -1,0 +1,184 @@
+"""Where speculation pays on this CPU: measured pass times against measured agreement.
+
+One EAGLE decode step of shape ``(steps, topk, num_draft_tokens)`` in SGLang 0.5.23 runs
+``steps - 1`` draft passes over ``topk`` tokens (``EAGLEWorkerV2.draft_forward``; the first
+draft tokens come from the previous step), one target verify pass over ``num_draft_tokens``
+tokens, and one draft-extend pass over ``num_draft_tokens`` tokens. So, per request::
+
+    step_time = T_target(n) + (steps - 1) * T_draft(topk) + T_draft(n)
+    speedup   = expected emitted tokens * T_target(1) / step_time
+
+Pass times come from transformers on this CPU, each after a cached context of ``context``
+tokens, as the median over interleaved rounds (every configuration once per round, so load
+from other processes spreads evenly). The EAGLE head is timed as what SGLang runs for it: fc,
+one decoder layer and an lm_head over the hot vocabulary.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 16, 24)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Median milliseconds of one forward pass over ``n`` new tokens, per model."""
+
+    context: int
+    threads: int
+    rounds: int
+    target_ms: dict[int, float]
+    eagle_ms: dict[int, float]
+    standalone_ms: dict[int, float]
+
+
+@dataclass(frozen=True)
+class ShapeGain:
+    """Predicted effect of one shape: emitted tokens, step time and speedup over no-spec."""
+
+    name: str
+    steps: int
+    topk: int
+    num_draft_tokens: int
+    emitted: float
+    step_ms: float
+    speedup: float
+    break_even_emitted: float  # emitted tokens needed to match plain decoding
+
+
+def _cached_runner(model, context: int, vocab: int) -> Callable[[int], None]:
+    """A function running ``n`` new tokens after a cached context, leaving the cache as is."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (1, context)), past_key_values=cache)
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.randint(0, vocab, (1, n)),
+                past_key_values=cache,
+                position_ids=torch.arange(context, context + n)[None],
+            )
+        cache.crop(context)
+
+    return run
+
+
+def _eagle_runner(target_config: dict, hot_vocab: int, context: int) -> Callable[[int], None]:
+    """Same shapes as the served head: fc, a 1-layer Llama with a hot-vocab lm_head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
+    cfg.update(num_hidden_layers=1, vocab_size=hot_vocab, tie_word_embeddings=False)
+    twin = LlamaForCausalLM(LlamaConfig.from_dict(cfg)).eval()
+    hidden = target_config["hidden_size"]
+    fc = torch.nn.Linear(2 * hidden, hidden)
+    run_layer = _cached_runner(twin, context, hot_vocab)
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            fc(torch.randn(1, n, 2 * hidden))
+        run_layer(n)
+
+    return run
+
+
+def measure_pass_times(
+    target_dir: Path,
+    standalone_model: torch.nn.Module,
+    hot_vocab: int,
+    context: int = 256,
+    rounds: int = 15,
+) -> PassTimes:
+    """Median forward times of the target, the EAGLE head and the standalone draft."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    target_config = json.loads((target_dir / "config.json").read_text())
+    vocab = target_config["vocab_size"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    runners = {
+        "target": _cached_runner(target, context, vocab),
+        "eagle": _eagle_runner(target_config, hot_vocab, context),
+        "standalone": _cached_runner(standalone_model.eval(), context, vocab),
+    }
+    samples: dict[tuple[str, int], list[float]] = {
+        (m, n): [] for m in runners for n in TOKEN_COUNTS
+    }
+    for key in samples:  # warm-up: first calls allocate
+        runners[key[0]](key[1])
+    for _ in range(rounds):
+        for (name, n), times in samples.items():
+            start = time.perf_counter()
+            runners[name](n)
+            times.append((time.perf_counter() - start) * 1000)
+    med = {k: round(statistics.median(v), 2) for k, v in samples.items()}
+    return PassTimes(
+        context,
+        torch.get_num_threads(),
+        rounds,
+        {n: med[("target", n)] for n in TOKEN_COUNTS},
+        {n: med[("eagle", n)] for n in TOKEN_COUNTS},
+        {n: med[("standalone", n)] for n in TOKEN_COUNTS},
+    )
+
+
+def _interp(table: dict[int, float], n: int) -> float:
+    """Linear between measured token counts (and past the last two)."""
+    if n in table:
+        return table[n]
+    keys = sorted(table)
+    above = [k for k in keys if k > n]
+    hi = above[0] if above else keys[-1]
+    lo = max(k for k in keys if k < hi) if above else keys[-2]
+    return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+
+def step_ms(times: PassTimes, draft: str, steps: int, topk: int, num_draft_tokens: int) -> float:
+    draft_ms = times.eagle_ms if draft == "eagle" else times.standalone_ms
+    return (
+        _interp(times.target_ms, num_draft_tokens)
+        + (steps - 1) * _interp(draft_ms, topk)
+        + _interp(draft_ms, num_draft_tokens)
+    )
+
+
+def shape_gains(
+    times: PassTimes, draft: str, chain_emitted: dict[int, float], tree_emitted: dict[str, float]
+) -> list[ShapeGain]:
+    """Chains (steps = depth, topk 1) and static trees named by per-depth branching."""
+    shapes = [(f"chain {d}", d, 1, d + 1, e) for d, e in chain_emitted.items()]
+    for name, emitted in tree_emitted.items():
+        branching = [int(k) for k in name.split("-")]
+        nodes, width = 1, 1
+        for k in branching:
+            width *= k
+            nodes += width
+        shapes.append((f"tree {name}", len(branching), branching[0], nodes, emitted))
+    out = []
+    for name, steps, topk, n, emitted in shapes:
+        ms = step_ms(times, draft, steps, topk, n)
+        base = times.target_ms[1]
+        out.append(
+            ShapeGain(
+                name,
+                steps,
+                topk,
+                n,
+                round(emitted, 3),
+                round(ms, 2),
+                round(emitted * base / ms, 3),
+                round(ms / base, 3),
+            )
+        )
+    return out

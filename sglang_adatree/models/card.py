@@ -1,0 +1,167 @@
+"""MODEL_CARD.md of a shipped draft, written from measured figures only.
+
+``adatree models evaluate DRAFT --card`` measures agreement on the held-out sets and pass
+times on this machine, then renders the card from those figures and the training summary
+(``training.json`` beside the weights), so every number in a card has a command behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sglang_adatree.models import prompts
+from sglang_adatree.models.breakeven import PassTimes, ShapeGain
+from sglang_adatree.models.evaluate import Agreement
+
+HEADLINE_SET = "eval-mtbench"
+
+ARCHITECTURE = {
+    "eagle": (
+        "An EAGLE head in the checkpoint format of SGLang 0.5.23's `LlamaForCausalLMEagle`: "
+        "`fc` (Linear 1152 -> 576, with bias) over [token embedding; target hidden state], then "
+        "one Llama decoder layer without its input RMSNorm (hidden 576, 9 query / 3 KV heads of "
+        "64, MLP 1536, RoPE theta 1e5), no final norm. The embedding and the lm_head are the "
+        "target's, lent at load time (`set_embed_and_head`), so the file holds only `fc.*` and "
+        "`layers.0.*`. The lm_head is cut to the {hot} tokens of `token_map.pt` "
+        "(`--speculative-token-map`). The hidden state it reads is the target's final hidden "
+        "state *after* its final RMSNorm (what SGLang's llama captures for EAGLE); from the "
+        "second draft step on, its own output before the lm_head."
+    ),
+    "standalone": (
+        "A 2-layer Llama (`LlamaForCausalLM`, hidden 576, 9 query / 3 KV heads, MLP 1536) with "
+        "the target's vocabulary and tokenizer, served by SGLang's STANDALONE worker as an "
+        "ordinary model. Its layers started as target layers {layers}; its embedding is the "
+        "target's, tied to its lm_head and frozen in training, so the shipped file holds only "
+        "the layers and the final norm and `adatree models prepare` writes the servable folder "
+        "with the target's embedding added."
+    ),
+}
+
+
+def _agreement_table(results: list[Agreement]) -> list[str]:
+    depth = max(len(r.conditional_top1) for r in results)
+    head = "| held-out set | positions | top-1 | top-4 | " + " | ".join(
+        f"step {s + 1} given 1..{s}" for s in range(1, depth)
+    )
+    lines = [head + " |", "|" + "---|" * (4 + depth - 1)]
+    for r in results:
+        cond = " | ".join(f"{c:.2f}" for c in r.conditional_top1[1:])
+        lines.append(f"| {r.data} | {r.num_positions} | {r.top1:.2f} | {r.top4:.2f} | {cond} |")
+    return lines
+
+
+def _gain_table(gains: list[ShapeGain]) -> list[str]:
+    lines = [
+        "| shape | steps, topk, draft tokens | emitted tokens / step | step ms | "
+        "break-even emitted | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in gains:
+        lines.append(
+            f"| {g.name} | {g.steps}, {g.topk}, {g.num_draft_tokens} | {g.emitted:.2f} | "
+            f"{g.step_ms:.1f} | {g.break_even_emitted:.2f} | {g.speedup:.2f}x |"
+        )
+    return lines
+
+
+def render(
+    draft: str,
+    title: str,
+    training: dict,
+    results: list[Agreement],
+    times: PassTimes,
+    gains: list[ShapeGain],
+    command: str,
+    extra: dict,
+) -> str:
+    """The card's Markdown."""
+    headline = next(r for r in results if r.data == HEADLINE_SET)
+    cfg = training["config"]
+    draft_ms = times.eagle_ms if draft == "eagle" else times.standalone_ms
+    arch = ARCHITECTURE[draft].format(
+        hot=extra.get("hot_vocab"), layers=", ".join(map(str, cfg["source_layers"]))
+    )
+    best = max(gains, key=lambda g: g.speedup)
+    lines = [
+        f"# {title}",
+        "",
+        f"A draft model for SmolLM2-135M-Instruct (the target), trained by sglang-adatree on "
+        f"the target's own greedy answers. On MT-bench first turns (held out): "
+        f"**top-1 agreement: {headline.top1:.2f}** (top-4 agreement: {headline.top4:.2f}).",
+        "",
+        "## Architecture",
+        "",
+        arch,
+        "",
+        f"Trained parameters: {extra['num_params'] / 1e6:.2f} M, stored in bf16 "
+        f"({extra['file_mb']:.1f} MB).",
+        "",
+        "## Data",
+        "",
+        f"Prompts from `sglang_adatree/models/prompts.py`: instruction templates over "
+        f"{sum(len(t) for t in prompts.TOPICS.values())} topics (explain, write, advise, "
+        "role-play, compare), arithmetic word problems, small reasoning puzzles, code tasks in "
+        f"{len(set(prompts.CODE_LANGUAGES))} languages and extraction, requests the target "
+        "wrote itself when asked for one, and follow-up turns after its own answers. "
+        "Answers: the target's greedy continuations (bf16 weights, at most "
+        f"{training['data']['max_new_tokens']} tokens), with its hidden states and greedy labels "
+        "from a teacher-forced pass. MT-bench, GSM8K and HumanEval are never trained on: they "
+        "are the held-out sets below (their answers generated in fp32).",
+        "",
+        f"Training data: {training['data']['sequences']} conversations, "
+        f"{training['train_answer_tokens']} answer tokens for training and "
+        f"{training['val_answer_tokens']} for validation (held-out conversations); "
+        f"generated in {training['data']['hours']:.1f} h on 2 shared CPU cores.",
+        "",
+        "## Training",
+        "",
+        f"{training['steps']} optimizer steps in {training['train_seconds'] / 60:.0f} min on "
+        f"the CPU (bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
+        f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
+        "distribution"
+        + (
+            f" plus smooth-L1 to its hidden state (weight {cfg['reg_weight']}), over "
+            f"{cfg['steps']} unrolled draft steps (weights {cfg['step_decay']}^(s-1))."
+            if draft == "eagle"
+            else "."
+        )
+        + f" Best validation top-1 agreement: {training['best_val_top1']:.3f}.",
+        "",
+        "## Agreement with the target's greedy tokens (held out)",
+        "",
+        "Teacher-forced on the target's fp32 greedy answers to the first turns; step s > 1 "
+        "counts only positions where steps 1..s-1 were right (the draft consumes its own "
+        "output there, as at inference).",
+        "",
+        *_agreement_table(results),
+        "",
+        f"Reproduce: `{command}`",
+        "",
+        "## Where speculation pays on this CPU",
+        "",
+        f"Median forward times (transformers, fp32, {times.threads} threads, after a "
+        f"{times.context}-token context, {times.rounds} interleaved rounds), ms:",
+        "",
+        "| new tokens | " + " | ".join(str(n) for n in times.target_ms) + " |",
+        "|---|" + "---|" * len(times.target_ms),
+        "| target | " + " | ".join(f"{v:.1f}" for v in times.target_ms.values()) + " |",
+        "| this draft | " + " | ".join(f"{v:.1f}" for v in draft_ms.values()) + " |",
+        "",
+        "Step time = target verify over the draft tokens + (steps - 1) draft passes over topk "
+        "tokens + one draft-extend pass; emitted tokens from the measured MT-bench agreement. "
+        "Trees keep the top-k children per node at each depth (k per depth in the name); "
+        "speedup = emitted x target(1) / step time:",
+        "",
+        *_gain_table(gains),
+        "",
+        f"Best here: {best.name} at {best.speedup:.2f}x. A shape pays when its emitted tokens "
+        "exceed its break-even column.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(folder: Path, text: str, figures: dict) -> None:
+    (folder / "MODEL_CARD.md").write_text(text)
+    (folder / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")

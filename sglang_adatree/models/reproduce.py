@@ -1,0 +1,78 @@
+"""Both bundled drafts from nothing: prepare -> datagen -> train -> export -> evaluate.
+
+Every stage resumes: prepare is idempotent, datagen skips finished shards, training resumes
+from its last checkpoint. Re-running with a larger budget continues where the last run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from sglang_adatree.models.paths import ModelPaths
+from sglang_adatree.models.prompts import EVAL_SETS
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of each stage to run."""
+
+    tokens: int = 400_000  # training answer tokens to generate
+    datagen_hours: float = 6.0
+    workers: int = 2  # datagen processes of one thread each
+    eagle_minutes: float = 90.0
+    standalone_minutes: float = 60.0
+    epochs: float = 4.0
+
+
+def _cli(paths: ModelPaths, *args: str) -> list[str]:
+    return [sys.executable, "-m", "sglang_adatree.cli", "models", "--home", str(paths.home), *args]
+
+
+def generate_training_data(paths: ModelPaths, budget: Budget) -> None:
+    """``budget.workers`` single-thread datagen processes, sharing one data set."""
+    common = ["--threads", "1", "datagen", "--name", "train", "--tokens", str(budget.tokens)]
+    common += ["--time-budget-min", str(budget.datagen_hours * 60)]
+    procs = [
+        subprocess.Popen(_cli(paths, *common, "--worker", f"{w}/{budget.workers}"))
+        for w in range(budget.workers)
+    ]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"datagen workers exited with {codes}")
+
+
+def reproduce(paths: ModelPaths, budget: Budget) -> None:
+    from sglang_adatree.models.datagen import eval_config, run_datagen
+    from sglang_adatree.models.prepare import prepare_all
+    from sglang_adatree.models.train import TrainConfig, export_best, train
+
+    for line in prepare_all(paths):
+        print(line)
+    generate_training_data(paths, budget)
+    for eval_set in EVAL_SETS:
+        cfg = eval_config(eval_set)
+        run_datagen(paths.target_dir, paths.datagen_dir(cfg.name), cfg)
+    minutes = {"eagle": budget.eagle_minutes, "standalone": budget.standalone_minutes}
+    for draft, limit in minutes.items():
+        cfg = TrainConfig(draft=draft, epochs=budget.epochs)
+        summary = train(cfg, paths, ["train"], limit * 60)
+        print(f"exported {export_best(paths, draft, summary)}")
+    for line in prepare_all(paths):
+        print(line)
+    for draft in ("eagle", "standalone"):
+        subprocess.run(_cli(paths, "evaluate", draft, "--card"), check=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Budget()
+    parser.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of this process")
+    parser.add_argument("--tokens", type=int, default=defaults.tokens)
+    parser.add_argument("--datagen-hours", type=float, default=defaults.datagen_hours)
+    parser.add_argument("--workers", type=int, choices=(1, 2), default=defaults.workers)
+    parser.add_argument("--eagle-minutes", type=float, default=defaults.eagle_minutes)
+    parser.add_argument("--standalone-minutes", type=float, default=defaults.standalone_minutes)
+    parser.add_argument("--epochs", type=float, default=defaults.epochs)
