@@ -63,7 +63,9 @@ class ShapeProfile:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model folder (default: the bundled target)")
-    parser.add_argument("--draft", help="draft model folder (default: the bundled small draft)")
+    parser.add_argument(
+        "--draft", help="draft folder, or 'eagle' / 'standalone' for a bundled one (default eagle)"
+    )
     parser.add_argument("--prompts", default="mtbench", help="prompt set or JSONL file")
     parser.add_argument("--requests", type=int, default=6, help="requests per measurement")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request")
@@ -188,6 +190,9 @@ def measure_shapes(
         "--speculative-draft-model-path", str(draft), "--port", str(port),
         "--candidate-shapes", shapes, *CPU_SERVER_FLAGS,
     ]  # fmt: skip
+    token_map = draft / "token_map.pt"
+    if token_map.is_file():  # an EAGLE head with a reduced (hot) vocabulary
+        command += ["--speculative-token-map", str(token_map)]
     env = {
         "ADATREE_PROFILE_PATH": str(profile_path),
         "ADATREE_WARMUP_STEPS": "1000000000",
@@ -210,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
     paths = ModelPaths(load_config().home_dir)
     target = Path(args.target) if args.target else paths.target_dir
-    draft = Path(args.draft) if args.draft else paths.standalone_dir
+    bundled = {"eagle": paths.eagle_dir, "standalone": paths.standalone_dir}
+    draft = bundled.get(args.draft or "eagle") or Path(args.draft)
     for name, path in (("target", target), ("draft", draft)):
         if not (path / "config.json").is_file():
             print(f"adatree profile: no {name} model at {path} (run `adatree models prepare`)")
