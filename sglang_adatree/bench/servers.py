@@ -1,0 +1,124 @@
+"""One SGLang server at a time: start it, wait until it answers, read its state, stop it all.
+
+A server runs in its own session (process group), so stopping it reaches SGLang's scheduler,
+tokenizer and detokenizer children too: SIGTERM to the group, then SIGKILL to whatever is left
+after a grace period. Its output goes to a log file whose tail is quoted when start-up fails.
+Servers are stopped on every exit path, Ctrl-C included, so two never hold memory at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+
+class ServerError(RuntimeError):
+    """A server that exited or never became healthy; the message carries its log's tail."""
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+@dataclass(frozen=True)
+class Server:
+    """A healthy server: its URL, process and log."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+    startup_s: float
+
+    def info(self) -> dict[str, Any]:
+        """``GET /server_info``: the resolved server arguments and ``internal_states``."""
+        response = requests.get(f"{self.url}/server_info", timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def internal_state(self) -> dict[str, Any]:
+        """The first data-parallel rank's live state (adatree's fields live here)."""
+        states = self.info().get("internal_states") or [{}]
+        return states[0]
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL whatever is still alive in it."""
+    if process.poll() is None:
+        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=grace_s)
+    # The launcher may exit before its children: kill whatever is left in the group.
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    if process.poll() is None:
+        process.wait(timeout=grace_s)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll ``/health`` until it answers 200; raise with the log's tail if the server dies."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise ServerError(
+                f"server exited with code {process.returncode} during start-up; log {log}:\n"
+                + log_tail(log)
+            )
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"server not healthy after {timeout_s:.0f} s; log {log}:\n" + log_tail(log)
+            )
+        time.sleep(1.0)
+
+
+@contextmanager
+def running_server(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    port: int,
+    log: Path,
+    timeout_s: float = 900.0,
+) -> Iterator[Server]:
+    """Start ``command`` (listening on ``port``), yield it once healthy, always stop it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(command) + "\n")
+        out.flush()
+        process = subprocess.Popen(
+            list(command),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log, timeout_s)
+        yield Server(url, process, log, time.monotonic() - started)
+    finally:
+        stop_process_group(process)
