@@ -195,7 +195,8 @@ def measure_shapes(
         command += ["--speculative-token-map", str(token_map)]
     env = {
         "ADATREE_PROFILE_PATH": str(profile_path),
-        "ADATREE_WARMUP_STEPS": "1000000000",
+        # The largest warm-up allowed: longer than any profile, so the cycle never ends.
+        "ADATREE_WARMUP_STEPS": "100000",
         "ADATREE_RECORD_STEPS": "false",
         "OMP_NUM_THREADS": str(threads),
     }

@@ -168,11 +168,13 @@ def test_verify_applies_the_tree_mask(layout):
             torch.testing.assert_close(out[b * n + i], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_reads_each_request_slots():
+# Unequal lengths take the masked path; equal ones the mask-free one.
+@pytest.mark.parametrize("lens", [(6, 2), (5, 5)])
+def test_decode_reads_each_request_slots(lens):
     runner = _runner()
     backend = AdaTreeCpuAttnBackend(runner)
     reqs = torch.tensor([0, 2])
-    seq_lens = torch.tensor([6, 2])
+    seq_lens = torch.tensor(lens)
     rtt = runner.req_to_token_pool.req_to_token
     for r, s in zip(reqs.tolist(), seq_lens.tolist(), strict=True):
         _fill_cache(runner, r, s - 1)
@@ -189,6 +191,7 @@ def test_decode_reads_each_request_slots():
         torch.randn(2, KV_HEADS * DIM),
     )
     backend.init_forward_metadata(fb)
+    assert (backend.forward_metadata.mask is None) == (lens[0] == lens[1])
     out = backend.forward_decode(q, k, v, LAYER, fb).view(2, HEADS, DIM)
     pool = runner.token_to_kv_pool
     for b, (r, s) in enumerate(zip(reqs.tolist(), seq_lens.tolist(), strict=True)):
@@ -199,13 +202,14 @@ def test_decode_reads_each_request_slots():
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_draft_branches_read_prefix_and_their_own_slots():
+@pytest.mark.parametrize("lens", [(5, 8), (7, 7)])
+def test_draft_branches_read_prefix_and_their_own_slots(lens):
     runner = _runner()
     topk, steps = 2, 3
     multi = AdaTreeCpuMultiStepDraftBackend(runner, topk, steps)
     assert len(multi.attn_backends) == steps - 1
     reqs = torch.tensor([3, 1])
-    seq_lens = torch.tensor([5, 8])
+    seq_lens = torch.tensor(lens)
     rtt = runner.req_to_token_pool.req_to_token
     for r, s in zip(reqs.tolist(), seq_lens.tolist(), strict=True):
         _fill_cache(runner, r, s + topk * steps)  # prefix and every branch slot hold data
