@@ -8,10 +8,14 @@ depend on how many siblings the tree kept.
 
 Estimates are Beta-style posteriors with explicit priors: ``acceptance_prior *
 PRIOR_RANK_RATIO**r`` for rank ``r`` at every depth, worth ``acceptance_prior_weight``
-observations. Counts decay exponentially: each verify step that measures a cell keeps
-``1 - acceptance_decay`` of its old counts. The effective observations behind a cell (its decayed
-trial count) are the confidence measure. Per request class estimates shrink towards the global
-ones instead of towards the prior.
+observations at the start. Counts decay exponentially: each verify step that measures a cell
+keeps ``1 - acceptance_decay`` of its old counts, and of the prior's pseudo-observations too.
+The prior therefore fades once a cell is measured: were its weight kept, it would stay as large
+as the decayed evidence itself (about ``batch / acceptance_decay`` trials), and at batch size 1
+(20 pseudo-observations against about 50 real ones) a true hazard of 0.2 would read 0.31 for
+ever. The effective observations behind a cell (its decayed trial count) are the confidence
+measure. Per request class estimates shrink towards the global ones instead of towards the
+prior.
 
 Expected emitted tokens of a shape follow how EAGLE-2 builds the tree: a node's value is the
 product of ``p`` along its path; layer 1 holds the root's ``topk`` children; each further layer
@@ -51,6 +55,8 @@ class _ClassStats:
 
     trials: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
     accepts: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    # Share of the prior's pseudo-observations still held: decays with the counts.
+    prior_keep: np.ndarray = field(default_factory=lambda: np.ones((MAX_STEPS, MAX_TOPK)))
     acceptance_length: dict[TreeShape, float] = field(default_factory=dict)
 
 
@@ -154,6 +160,7 @@ class AcceptanceEstimator:
         keep = np.where(seen, 1.0 - self.decay, 1.0)
         stats.trials[:steps] = stats.trials[:steps] * keep + trials
         stats.accepts[:steps] = stats.accepts[:steps] * keep + accepts
+        stats.prior_keep[:steps] *= keep
         old = stats.acceptance_length.get(shape)
         stats.acceptance_length[shape] = (
             emitted if old is None else (1.0 - self.decay) * old + self.decay * emitted
@@ -181,8 +188,9 @@ class AcceptanceEstimator:
         self.revision += 1
 
     def _posterior(self, stats: _ClassStats, prior: np.ndarray) -> np.ndarray:
-        """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus ``prior_weight`` pseudo-observations."""
-        w = self.prior_weight
+        """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus the prior's remaining
+        pseudo-observations (``prior_weight``, decayed as the cell's counts were)."""
+        w = self.prior_weight * stats.prior_keep  # [MAX_STEPS, MAX_TOPK]
         trials = stats.trials + w
         safe = np.where(trials > 0, trials, 1.0)
         # A cell never measured under prior weight 0 has no data: it keeps the prior.

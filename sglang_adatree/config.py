@@ -180,7 +180,7 @@ SETTINGS: tuple[Setting, ...] = (
         "acceptance_prior_weight",
         20.0,
         "[0, 1e6]",
-        "pseudo-observations behind the acceptance prior",
+        "pseudo-observations behind the acceptance prior at start (they decay like the counts)",
         _float,
         lambda v: 0.0 <= v <= 1e6,
     ),

@@ -110,6 +110,21 @@ def test_converges_to_known_acceptance_by_depth_and_rank():
     assert est.confidence() > 0.99
 
 
+def test_prior_fades_at_batch_size_one():
+    # One request per step: the decayed evidence is only about 1 / decay = 50 trials, the same
+    # order as the prior's 20 pseudo-observations. A prior that kept its weight would read
+    # (0.2 * 50 + 0.6 * 20) / 70 = 0.31 for a true hazard of 0.2, for ever.
+    est = AcceptanceEstimator(prior=0.6, prior_weight=20.0, decay=0.02, refresh_every=1)
+    run_synthetic(est, TreeShape(1, 1, 2), np.full((1, 1), 0.2), steps=2000, batch=1, seed=7)
+    hazards = []
+    for seed in range(8, 28):  # the estimate is noisy at batch 1: average over a while
+        run_synthetic(est, TreeShape(1, 1, 2), np.full((1, 1), 0.2), steps=25, batch=1, seed=seed)
+        hazards.append(est.hazards()[0, 0])
+    assert np.mean(hazards) == pytest.approx(0.2, abs=0.04)
+    # Never measured cells keep the prior.
+    assert est.hazards()[1, 0] == pytest.approx(0.6)
+
+
 def test_expected_emitted_matches_the_eagle2_reference():
     est = AcceptanceEstimator(prior=0.5, decay=0.05)
     run_synthetic(est, TreeShape(4, 3, 12), TRUE_HAZARDS, steps=50, batch=32, seed=2)
