@@ -6,8 +6,7 @@ padded gather index of KV slots and a boolean mask per request, and then runs ev
 one batched ``scaled_dot_product_attention`` over the gathered keys. Keys are gathered with
 ``index_select`` over whole slot rows (several times faster on a CPU than advanced indexing),
 and a decode forward whose rows all have the same length runs without a mask (batch size 1
-always does): a masked SDPA call costs about three times an unmasked one there.
-
+always does): there a masked SDPA call costs two to three times an unmasked one.
 
 * extend (prefill, draft extend, mixed): keys = the request's cached prefix + its new tokens
   (causal among the new tokens);
