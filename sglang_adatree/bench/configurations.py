@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_adatree.baselines import LABEL as REIMPLEMENTED
+from sglang_adatree.drafts import draft_kind_of
 from sglang_adatree.shapes import NO_SPEC, TreeShape, parse_candidates
 
 ADAPTIVE_POLICIES = ("adatree", "turbospec", "sglang-adaptive")
@@ -50,18 +51,9 @@ DEFAULT_SWEEP: tuple[TreeShape, ...] = (
 
 
 def detect_draft_kind(draft: Path) -> str:
-    """``'eagle3'``, ``'eagle'`` or ``'standalone'`` from the draft's ``config.json``.
-
-    The same rule as ``sglang.spec_algo.detect_draft_kind`` (an ``*Eagle*`` architecture is a
-    head), which the bench cannot import: it runs without SGLang in its own process.
-    """
-    config = json.loads((draft / "config.json").read_text())
-    architectures = [str(a).lower() for a in config.get("architectures") or []]
-    if any("eagle3" in a for a in architectures):
-        return "eagle3"
-    if any("eagle" in a for a in architectures):
-        return "eagle"
-    return "standalone"
+    """``'eagle3'``, ``'eagle'`` or ``'standalone'`` from the draft's ``config.json``
+    (``drafts.draft_kind_of``, the rule the SGLang adapter uses too)."""
+    return draft_kind_of(json.loads((draft / "config.json").read_text()))
 
 
 @dataclass(frozen=True)

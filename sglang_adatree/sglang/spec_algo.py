@@ -17,6 +17,7 @@ from typing import Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 
 from sglang_adatree.config import AdaTreeConfig, ConfigError, load_config
+from sglang_adatree.drafts import draft_kind_of
 from sglang_adatree.shapes import Envelope, envelope
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,7 @@ def detect_draft_kind(draft_path: str) -> str:
         ) from None
     except json.JSONDecodeError as exc:
         raise AdaTreeArgsError(f"{config_file}: not valid JSON ({exc})") from None
-    architectures = [str(a).lower() for a in config.get("architectures") or []]
-    if any("eagle3" in a for a in architectures):
-        return "eagle3"
-    if any("eagle" in a for a in architectures):
-        return "eagle"
-    return "standalone"
+    return draft_kind_of(config)
 
 
 def _published_draft_path() -> str | None:
