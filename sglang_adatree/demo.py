@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,35 +103,6 @@ def _summary(
     return DemoSummary(requests_done, tokens, seconds, verify, emitted, dict(shapes), dict(sources))
 
 
-@contextmanager
-def _dashboard(command: list[str], env: dict[str, str], port: int, work: Path) -> Iterator[None]:
-    """Run the dashboard until the block ends; ready once its login page answers."""
-    from sglang_adatree.bench.servers import ServerError, log_tail, stop_process_group
-
-    log = work / "admin.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise ServerError(f"the dashboard exited during start-up:\n{log_tail(log)}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/login", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(f"the dashboard did not answer in 120 s:\n{log_tail(log)}")
-            time.sleep(0.5)
-        yield
-    finally:
-        stop_process_group(process)
-
-
 def _print_summary(summary: DemoSummary) -> None:
     print()
     print("adatree demo summary")
@@ -186,8 +155,16 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_dashboard:
                 admin = [sys.executable, "-m", "sglang_adatree.cli", "admin", "--db", db_url,
                          "--host", "127.0.0.1", "--port", str(args.admin_port)]  # fmt: skip
+                # Ready once its login page answers.
                 stack.enter_context(
-                    _dashboard(admin, {"ADATREE_ADMIN_TOKEN": token}, args.admin_port, work)
+                    running_server(
+                        admin,
+                        {"ADATREE_ADMIN_TOKEN": token},
+                        args.admin_port,
+                        work / "admin.log",
+                        timeout_s=120,
+                        health_path="/login",
+                    )
                 )
                 print(f"      dashboard: http://127.0.0.1:{args.admin_port}/  token: {token}")
             run_id = server.internal_state().get("adatree_run_id")

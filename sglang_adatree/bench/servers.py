@@ -74,8 +74,10 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None
         process.wait(timeout=grace_s)
 
 
-def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Poll ``/health`` until it answers 200; raise with the log's tail if the server dies."""
+def wait_healthy(
+    url: str, process: subprocess.Popen, log: Path, timeout_s: float, health_path: str = "/health"
+) -> None:
+    """Poll ``health_path`` until it answers 200; raise with the log's tail if the server dies."""
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
@@ -84,7 +86,7 @@ def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: floa
                 + log_tail(log)
             )
         try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+            if requests.get(f"{url}{health_path}", timeout=5).status_code == 200:
                 return
         except requests.RequestException:
             pass
@@ -102,8 +104,10 @@ def running_server(
     port: int,
     log: Path,
     timeout_s: float = 900.0,
+    health_path: str = "/health",
 ) -> Iterator[Server]:
-    """Start ``command`` (listening on ``port``), yield it once healthy, always stop it."""
+    """Start ``command`` (listening on ``port``), yield it once ``health_path`` answers 200
+    (SGLang's ``/health``; the dashboard's ``/login``), always stop it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log, "w") as out:
@@ -118,7 +122,7 @@ def running_server(
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log, timeout_s)
+        wait_healthy(url, process, log, timeout_s, health_path)
         yield Server(url, process, log, time.monotonic() - started)
     finally:
         stop_process_group(process)
