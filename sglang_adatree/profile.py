@@ -28,12 +28,11 @@ from pathlib import Path
 
 import requests
 
+from sglang_adatree.bench.configurations import CPU_SERVER_FLAGS
+from sglang_adatree.models.paths import TOKEN_MAP_FILE
 from sglang_adatree.shapes import parse_candidates
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
-CPU_SERVER_FLAGS = (
-    "--device", "cpu", "--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,8 @@ def measure_baseline(
     command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(target),
         "--port", str(port), "--attention-backend", "adatree_cpu",
-        "--sampling-backend", "pytorch", "--max-total-tokens", "32768", *CPU_SERVER_FLAGS,
+        "--sampling-backend", "pytorch", "--max-total-tokens", "32768",
+        "--device", "cpu", *CPU_SERVER_FLAGS,
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     sglang_rates, hf_rates = [], []
@@ -188,9 +188,9 @@ def measure_shapes(
     command = [
         sys.executable, "-m", "sglang_adatree.cli", "serve", "--model-path", str(target),
         "--speculative-draft-model-path", str(draft), "--port", str(port),
-        "--candidate-shapes", shapes, *CPU_SERVER_FLAGS,
+        "--candidate-shapes", shapes, "--device", "cpu", *CPU_SERVER_FLAGS,
     ]  # fmt: skip
-    token_map = draft / "token_map.pt"
+    token_map = draft / TOKEN_MAP_FILE
     if token_map.is_file():  # an EAGLE head with a reduced (hot) vocabulary
         command += ["--speculative-token-map", str(token_map)]
     env = {

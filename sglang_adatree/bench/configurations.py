@@ -32,13 +32,15 @@ from pathlib import Path
 
 from sglang_adatree.baselines import LABEL as REIMPLEMENTED
 from sglang_adatree.drafts import draft_kind_of
+from sglang_adatree.models.paths import TOKEN_MAP_FILE
 from sglang_adatree.shapes import NO_SPEC, TreeShape, parse_candidates
 
 ADAPTIVE_POLICIES = ("adatree", "turbospec", "sglang-adaptive")
 # STANDALONE's and EAGLE's (Llama target) shapes when no shape flag is given.
 SGLANG_DEFAULT_SHAPES = {"standalone": TreeShape(3, 1, 4), "eagle": TreeShape(5, 4, 8)}
 SGLANG_ALGORITHMS = {"standalone": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
-TOKEN_MAP_FILE = "token_map.pt"
+# What every CPU server gets besides --device cpu (`adatree serve` adds the same on a CPU).
+CPU_SERVER_FLAGS = ("--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32")
 # The static sweep: chains and trees around SGLang's defaults, all inside the default envelope.
 DEFAULT_SWEEP: tuple[TreeShape, ...] = (
     TreeShape(1, 1, 2),
@@ -123,7 +125,7 @@ class Configuration:
         ]
         if settings.device == "cpu":
             # What `adatree serve` adds on a CPU, given to every server alike.
-            common += ["--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32"]
+            common += CPU_SERVER_FLAGS
         draft = ["--speculative-draft-model-path", str(models.draft)]
         token_map = models.draft / TOKEN_MAP_FILE
         if models.draft_kind == "eagle" and token_map.is_file():
