@@ -145,6 +145,14 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 0.5,
     ),
     Setting(
+        "explore_max_loss",
+        0.3,
+        "[0, 1]",
+        "exploration runs only shapes predicted within this relative goodput loss of the best",
+        _float,
+        lambda v: 0.0 <= v <= 1.0,
+    ),
+    Setting(
         "explore_seed",
         0,
         ">= 0",
@@ -266,6 +274,7 @@ class AdaTreeConfig:
     min_gain: float = 0.03
     no_spec_margin: float = 0.05
     explore_fraction: float = 0.02
+    explore_max_loss: float = 0.3
     explore_seed: int = 0
     warmup_steps: int = 32
     acceptance_decay: float = 0.02

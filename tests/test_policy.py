@@ -138,17 +138,42 @@ def run(policy: Policy, steps: int, rng: np.random.Generator) -> list[Decision]:
     return out
 
 
-def test_exploration_measures_the_least_measured_shapes():
-    policy = make_policy(explore_fraction=0.05, explore_seed=7, warmup_steps=12)
+def test_exploration_measures_the_least_measured_shapes_when_unbounded():
+    policy = make_policy(explore_fraction=0.05, explore_seed=7, warmup_steps=12,
+                         explore_max_loss=1.0)  # fmt: skip
     decisions = run(policy, 600, np.random.default_rng(0))
     explored = [d for d in decisions if d.source == "explore"]
     assert len(explored) == pytest.approx(0.05 * (600 - 12), abs=1)
-    # The model settles on few shapes; exploration keeps measuring the rest.
+    # The model settles on few shapes; exploration keeps measuring all the rest.
     model_shapes = {d.shape for d in decisions if d.source == "fallback"}
     assert len(model_shapes) < len(DEFAULT_CANDIDATES)
     assert {d.shape for d in explored} >= set(DEFAULT_CANDIDATES) - model_shapes
     assert policy.measured.min() >= 3
     assert policy.measured.sum() == 600
+
+
+def test_exploration_skips_shapes_predicted_to_lose_more_than_the_bound():
+    # Draft tokens are expensive: deep trees are predicted several times slower per token.
+    costly = AnalyticStepTime(c_fixed=5.0, c_compute=0.5, c_draft_pass=2.0, c_draft_token=0.2)
+    policy = make_policy(costly, prior=0.6, explore_fraction=0.1, explore_max_loss=0.3)
+    explored = []
+    for _ in range(400):
+        d = policy.decide(batch(4))
+        if d.source == "explore":
+            explored.append(d)
+        policy.observe(batch(4), d.shape, d.predicted_ms)
+    f = batch(4)
+    times = policy.cost_model.predict_ms_many(f, policy.candidates)
+    emitted = policy.acceptance.expected_emitted_many(policy.candidates, f.request_class)
+    goodput = dict(zip(policy.candidates, emitted / times, strict=True))
+    best = max(goodput.values())
+    excluded = {s for s, g in goodput.items() if g < 0.7 * best}
+    assert excluded, "the surface must put some shapes beyond the bound"
+    assert explored and all(goodput[d.shape] >= 0.7 * best for d in explored)
+    # Every shape within the bound still gets measured.
+    within = set(policy.candidates) - excluded
+    assert {d.shape for d in explored} | {policy.current} >= within
+    assert all(policy.measured[policy.candidates.index(s)] == 0 for s in excluded)
 
 
 def test_exploration_schedule_is_seeded_and_evenly_spaced():
