@@ -21,7 +21,13 @@ from sglang_adatree.bench.configurations import (
     detect_draft_kind,
     parse_configurations,
 )
-from sglang_adatree.bench.report import table_lines, top_shapes, write_html, write_json
+from sglang_adatree.bench.report import (
+    bound_lines,
+    table_lines,
+    top_shapes,
+    write_html,
+    write_json,
+)
 from sglang_adatree.bench.results import (
     ROW_FIELDS,
     compare,
@@ -31,7 +37,13 @@ from sglang_adatree.bench.results import (
     with_speedups,
 )
 from sglang_adatree.bench.servers import ServerError, free_port, running_server
-from sglang_adatree.bench.steps import EMPTY, read_steps, summarize_steps
+from sglang_adatree.bench.steps import (
+    EMPTY,
+    StepPoint,
+    read_steps,
+    shape_goodputs,
+    summarize_steps,
+)
 from sglang_adatree.bench.workloads import (
     HIGH_ACCEPTANCE_PROMPTS,
     LOW_ACCEPTANCE_PROMPTS,
@@ -323,7 +335,34 @@ def test_steps_of_a_point_from_the_store(tmp_path):
     assert summary.shape_counts == {"3,1,4": 2, "0,1,1": 1} and summary.top_shape == "3,1,4"
     assert summary.accept_len == pytest.approx(10 / 6) and summary.batch_size_mean == 2.0
     assert summary.step_ms_p50 == 30.0 and summary.source_counts == {"model": 3}
+    # 3,1,4: 8 tokens in 20 + 40 ms; 0,1,1 has one step only, below MIN_SHAPE_STEPS.
+    assert summary.step_tok_s == pytest.approx(1000 * 10 / 90)
+    assert shape_goodputs(steps, min_steps=1)[0].shape == "3,1,4"
+    assert [g.shape for g in summary.by_shape] == []  # 2 steps of 3,1,4: also below 3
     store.get_engine(url).dispose()
+
+
+def test_physical_bound_is_the_best_measured_shape():
+    def step(shape: str, ms: float, emitted: int, batch: int = 1) -> StepPoint:
+        return StepPoint(0.0, batch, shape, "model", ms, emitted)
+
+    steps = [step("0,1,1", 90.0, 1) for _ in range(10)]
+    steps += [step("1,1,2", 110.0, 1), step("1,1,2", 110.0, 2), step("1,1,2", 130.0, 2)]
+    steps += [step("3,2,6", 200.0, 4), step("3,2,6", 210.0, 3)]  # too few steps to count
+    summary = summarize_steps(steps)
+    assert [g.shape for g in summary.by_shape] == ["1,1,2", "0,1,1"]
+    best = summary.bound
+    assert best.shape == "1,1,2" and best.num_steps == 3 and best.step_ms_p50 == 110.0
+    assert best.accept_len == pytest.approx(5 / 3)
+    assert best.tok_s == pytest.approx(1000 * 5 / 350)
+    assert summary.by_shape[1].tok_s == pytest.approx(1000 / 90)
+    point = PointResult((request(0, 10, 10),), 0.0, 10.0)
+    row = make_row("adatree", "adatree", "mtbench", "c1", [point], summary)
+    assert row.bound_shape == "1,1,2" and row.bound_tok_s == pytest.approx(best.tok_s)
+    assert row.shape_goodput["0,1,1"]["steps"] == 10
+    lines = bound_lines([row, make_row("ar", "ar", "mtbench", "c1", [point], EMPTY)])
+    assert len(lines) == 2 and "bound 1,1,2 14.3 tok/s" in lines[1]
+    assert f"adatree {summary.step_tok_s:.1f}" in lines[1]
 
 
 # -- server processes -----------------------------------------------------------------------------

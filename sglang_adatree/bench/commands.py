@@ -28,7 +28,13 @@ from sglang_adatree.bench.configurations import (
     detect_draft_kind,
     parse_configurations,
 )
-from sglang_adatree.bench.report import comparison_lines, table_lines, write_html, write_json
+from sglang_adatree.bench.report import (
+    bound_lines,
+    comparison_lines,
+    table_lines,
+    write_html,
+    write_json,
+)
 from sglang_adatree.bench.results import compare
 from sglang_adatree.bench.runner import BenchPlan, run_bench
 from sglang_adatree.bench.workloads import WORKLOAD_NAMES, load_workload
@@ -207,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(table_lines(outcome.rows)))
     print()
     print("\n".join(comparison_lines(comparison)))
+    if bounds := bound_lines(outcome.rows):
+        print()
+        print("\n".join(bounds))
     for name, error in outcome.failures.items():
         print(f"\n{name} did not run: {error}", file=sys.stderr)
     meta = {

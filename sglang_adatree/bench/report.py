@@ -104,6 +104,27 @@ def comparison_lines(comparison: Comparison, subject: str = "adatree") -> list[s
     return out
 
 
+def bound_lines(rows: Sequence[BenchRow], subject: str = "adatree") -> list[str]:
+    """Per point the subject ran: its measured per-shape goodputs and the physical bound."""
+    out = []
+    for r in rows:
+        if r.policy != subject or r.bound_tok_s is None:
+            continue
+        shapes = ", ".join(
+            f"{shape} {g['tok_s']:.1f} ({int(g['steps'])} steps, {g['step_ms_p50']:.0f} ms, "
+            f"accept {g['accept_len']:.2f})"
+            for shape, g in r.shape_goodput.items()
+        )
+        own = r.step_tok_s or float("nan")
+        out.append(
+            f"{r.workload:>10} {r.load:>5}: bound {r.bound_shape} {r.bound_tok_s:.1f} tok/s, "
+            f"{subject} {own:.1f} ({own / r.bound_tok_s:.2f}x); per shape: {shapes}"
+        )
+    if out:
+        out.insert(0, f"physical bound from {subject}'s telemetry (tokens / s of step time):")
+    return out
+
+
 def write_json(rows: Sequence[BenchRow], path: Path) -> None:
     """The rows as a JSON list (NaN written as null)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +165,7 @@ def write_html(
         "</style></head><body>",
         "<h1>adatree against the baselines</h1>",
         "<h2>Goals</h2><pre>",
-        html.escape("\n".join(comparison_lines(comparison))),
+        html.escape("\n".join(comparison_lines(comparison) + bound_lines(rows))),
         "</pre><h2>Rows</h2>",
         _html_table(rows),
     ]

@@ -72,6 +72,12 @@ class BenchRow:
     num_steps: int
     batch_size_mean: float | None
     accept_len_by_phase: dict[str, float] = field(default_factory=dict)
+    # Measured per shape from the telemetry (steps, step_ms_p50, accept_len, tok_s), and the
+    # best of them: the physical bound of the point (steps.StepSummary.bound).
+    shape_goodput: dict[str, dict[str, float]] = field(default_factory=dict)
+    bound_shape: str | None = None
+    bound_tok_s: float | None = None
+    step_tok_s: float | None = None  # what the policy's own choices delivered, same measure
 
     @property
     def point(self) -> tuple[str, str]:
@@ -153,6 +159,18 @@ def make_row(
         num_steps=steps.num_steps,
         batch_size_mean=steps.batch_size_mean,
         accept_len_by_phase={k: accept_length(t, v) for k, (t, v) in by_phase.items()},
+        shape_goodput={
+            g.shape: {
+                "steps": g.num_steps,
+                "step_ms_p50": g.step_ms_p50,
+                "accept_len": g.accept_len,
+                "tok_s": g.tok_s,
+            }
+            for g in steps.by_shape
+        },
+        bound_shape=steps.bound.shape if steps.bound else None,
+        bound_tok_s=steps.bound.tok_s if steps.bound else None,
+        step_tok_s=steps.step_tok_s,
     )
 
 

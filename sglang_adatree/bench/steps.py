@@ -37,6 +37,21 @@ class StepPoint:
 
 
 @dataclass(frozen=True)
+class ShapeGoodput:
+    """What one shape delivered while it ran during a point, from its measured steps."""
+
+    shape: str  # "S,K,N"
+    num_steps: int
+    step_ms_p50: float
+    accept_len: float  # emitted tokens per request per step
+    tok_s: float  # emitted tokens / measured step time, over its steps
+
+
+# A shape needs this many measured steps at a point to stand for its goodput there.
+MIN_SHAPE_STEPS = 3
+
+
+@dataclass(frozen=True)
 class StepSummary:
     """What the steps of one point show; empty (``num_steps`` 0) without telemetry."""
 
@@ -46,6 +61,14 @@ class StepSummary:
     accept_len: float | None  # emitted tokens per request per step
     batch_size_mean: float | None
     step_ms_p50: float | None
+    by_shape: tuple[ShapeGoodput, ...] = ()  # shapes with >= MIN_SHAPE_STEPS, best first
+    step_tok_s: float | None = None  # emitted tokens / measured step time, all steps
+
+    @property
+    def bound(self) -> ShapeGoodput | None:
+        """The physical bound: the shape with the best measured tokens per second of step
+        time (measured acceptance over measured cost), had it run on every step."""
+        return self.by_shape[0] if self.by_shape else None
 
     @property
     def top_shape(self) -> str | None:
@@ -53,6 +76,35 @@ class StepSummary:
 
 
 EMPTY = StepSummary(0, {}, {}, None, None, None)
+
+
+def shape_goodputs(
+    steps: Sequence[StepPoint], min_steps: int = MIN_SHAPE_STEPS
+) -> tuple[ShapeGoodput, ...]:
+    """Per shape with at least ``min_steps`` steps: its measured goodput, best first.
+
+    Tokens per second of the shape's own step time (sum of emitted tokens over the sum of its
+    measured step times), so batch sizes weigh as they ran; time between steps (scheduling,
+    prefill) is left out, for every shape alike.
+    """
+    groups: dict[str, list[StepPoint]] = {}
+    for s in steps:
+        groups.setdefault(s.shape, []).append(s)
+    out = []
+    for shape, group in groups.items():
+        if len(group) < min_steps:
+            continue
+        times = sorted(s.measured_step_ms for s in group)
+        out.append(
+            ShapeGoodput(
+                shape=shape,
+                num_steps=len(group),
+                step_ms_p50=times[len(times) // 2],
+                accept_len=sum(s.emitted_tokens for s in group) / sum(s.batch_size for s in group),
+                tok_s=1000.0 * sum(s.emitted_tokens for s in group) / max(sum(times), 1e-9),
+            )
+        )
+    return tuple(sorted(out, key=lambda g: (-g.tok_s, g.shape)))
 
 
 def read_steps(db_url: str, run_id: int, start: float, end: float) -> list[StepPoint]:
@@ -97,4 +149,6 @@ def summarize_steps(steps: Sequence[StepPoint]) -> StepSummary:
         accept_len=sum(s.emitted_tokens for s in steps) / requests,
         batch_size_mean=requests / len(steps),
         step_ms_p50=times[len(times) // 2],
+        by_shape=shape_goodputs(steps),
+        step_tok_s=1000.0 * sum(s.emitted_tokens for s in steps) / max(sum(times), 1e-9),
     )
