@@ -112,7 +112,8 @@ def render(
         f"Training data: {training['data']['sequences']} conversations, "
         f"{training['train_answer_tokens']} answer tokens for training and "
         f"{training['val_answer_tokens']} for validation (held-out conversations); "
-        f"generated in {training['data']['hours']:.1f} h on 2 shared CPU cores.",
+        f"generated in {training['data']['hours']:.1f} h, the sum of the shards' own times "
+        "(datagen processes of one thread each, up to two at once on 2 CPU cores).",
         "",
         "## Training",
         "",
@@ -120,6 +121,11 @@ def render(
         f"the CPU (bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
         f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
         "distribution"
+        + (
+            f" (its {cfg['teacher_top_k']} most likely tokens, renormalised)"
+            if cfg.get("teacher_top_k")
+            else ""
+        )
         + (
             f" plus smooth-L1 to its hidden state (weight {cfg['reg_weight']}), over "
             f"{cfg['steps']} unrolled draft steps (weights {cfg['step_decay']}^(s-1))."
