@@ -107,8 +107,8 @@ def _top_ce(logits: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> t
 
     ``-sum_k p_k log q_k = logsumexp(logits) - sum_k p_k logits_k``: one pass over the
     vocabulary instead of a dense float32 teacher, its log-softmax and their product, which
-    took about a quarter of a training step on this CPU (the top 32 of SmolLM2's next-token
-    distribution hold nearly all its mass).
+    took about a quarter of a training step on this CPU. The top 32 of SmolLM2's next-token
+    distribution hold 95% of its mass on average (83% at the 10th percentile; its own answers).
     """
     lse = torch.logsumexp(logits.float(), dim=-1)  # [N]
     return (lse - (probs * logits.gather(1, index).float()).sum(-1)).mean()
