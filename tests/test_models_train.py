@@ -115,3 +115,25 @@ def test_eagle_task_learns_a_rule(one_thread):
     assert first.agreement[0] < 0.3
     assert float(last.loss) < 0.5 * float(first.loss)
     assert last.agreement[0] > 0.9 and last.agreement[1] > 0.8
+
+
+@pytest.mark.parametrize("draft", ["eagle", "standalone"])
+def test_card_training_command_reproduces_the_config(draft):
+    import argparse
+    import dataclasses
+    import shlex
+
+    from sglang_adatree.models.card import train_command_line
+    from sglang_adatree.models.commands import add_arguments
+    from sglang_adatree.models.train import config_from_args
+
+    cfg = TrainConfig(draft=draft, seed=3, epochs=4.5, lr=0.002, warmup_steps=50,
+                      tokens_per_batch=2048, steps=2, val_every=25)  # fmt: skip
+    line = train_command_line(draft, dataclasses.asdict(cfg))
+    assert line.startswith(f"adatree models train {draft} ")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    back = config_from_args(parser.parse_args(shlex.split(line)[2:]))
+    if draft == "standalone":  # the unrolled steps are the EAGLE head's alone
+        back = dataclasses.replace(back, steps=cfg.steps)
+    assert back == cfg

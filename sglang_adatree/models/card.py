@@ -65,6 +65,16 @@ def _gain_table(gains: list[ShapeGain]) -> list[str]:
     return lines
 
 
+def train_command_line(draft: str, cfg: dict) -> str:
+    """The ``adatree models train`` call that reproduces a training config."""
+    flags = f"--epochs {cfg['epochs']:g} --lr {cfg['lr']:g} --warmup-steps {cfg['warmup_steps']}"
+    flags += f" --tokens-per-batch {cfg['tokens_per_batch']} --val-every {cfg['val_every']}"
+    flags += f" --seed {cfg['seed']}"
+    if draft == "eagle":
+        flags += f" --unroll {cfg['steps']}"
+    return f"adatree models train {draft} {flags} --export"
+
+
 def render(
     draft: str,
     title: str,
@@ -132,7 +142,9 @@ def render(
             if draft == "eagle"
             else "."
         )
-        + f" Best validation top-1 agreement: {training['best_val_top1']:.3f}.",
+        + f" Best validation top-1 agreement: {training['best_val_top1']:.3f}. "
+        + f"Command: `{train_command_line(draft, cfg)}` (the time budget aside, every other "
+        "setting at its default).",
         "",
         "## Agreement with the target's greedy tokens (held out)",
         "",

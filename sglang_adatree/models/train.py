@@ -353,8 +353,9 @@ def export_best(paths: ModelPaths, draft: str, summary: dict) -> Path:
     return out_dir
 
 
-def train_command(args: argparse.Namespace, paths: ModelPaths) -> int:
-    cfg = TrainConfig(
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The training config of an ``adatree models train`` call."""
+    return TrainConfig(
         draft=args.draft,
         seed=args.seed,
         epochs=args.epochs,
@@ -364,6 +365,10 @@ def train_command(args: argparse.Namespace, paths: ModelPaths) -> int:
         steps=args.unroll,
         val_every=args.val_every,
     )
+
+
+def train_command(args: argparse.Namespace, paths: ModelPaths) -> int:
+    cfg = config_from_args(args)
     summary = train(cfg, paths, [args.data], args.time_budget_min * 60, args.tokens)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     if args.export:
