@@ -61,7 +61,7 @@ def test_agreement_counts_argmax_hits_and_unmapped_labels_as_misses():
     assert _agreement(logits[:0], labels[:0]) == 0.0
 
 
-def _copy_task_data(num_seqs: int, length: int, seed: int) -> SequenceSet:
+def _copy_task_data(num_seqs: int, length: int, seed: int) -> tuple[SequenceSet, torch.Tensor]:
     """Sequences where the target's next token follows a fixed rule the head can learn from the
     token it reads: target_ids[j] = (tokens[j] * 7 + 3) % 50 and tokens[j + 1] = target_ids[j]."""
     g = torch.Generator().manual_seed(seed)
