@@ -11,11 +11,22 @@ from pathlib import Path
 
 import torch
 
+from sglang_adatree.models import eagle
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# A tiny EAGLE head config (50-token vocabulary): the head's math, its loss and its export.
+TINY_HEAD = eagle.HeadConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    vocab_size=50,
 )
 EOS_PULL = 0.8  # <|im_end|>'s logit on the mean final hidden state
 CORPUS = [

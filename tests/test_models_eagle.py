@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from models_tiny import TINY_HEAD
 from safetensors.torch import load_file
 
 from sglang_adatree.models import eagle
@@ -23,20 +24,12 @@ SGLANG_EAGLE_KEYS = {
     "layers.0.mlp.up_proj.weight",
     "layers.0.mlp.down_proj.weight",
 }
-TINY = eagle.HeadConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    vocab_size=50,
-)
 TARGET_CONFIG = {"max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _random_head(seed: int = 0) -> eagle.EagleHead:
     torch.manual_seed(seed)
-    head = eagle.EagleHead(TINY)
+    head = eagle.EagleHead(TINY_HEAD)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 0.2)
@@ -61,7 +54,7 @@ def test_layer_matches_hf_decoder_layer_without_input_norm():
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.2)
-    head = eagle.EagleHead(TINY)
+    head = eagle.EagleHead(TINY_HEAD)
     head.init_from_target({f"model.layers.3.{k}": v for k, v in layer.state_dict().items()}, 3)
     with torch.no_grad():  # fc passes the hidden state through: only the layer is compared
         head.fc.weight.zero_()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from models_tiny import TINY_HEAD
 
 from sglang_adatree.models import eagle, standalone
 from sglang_adatree.models.data import SequenceSet, make_batch
@@ -12,15 +13,6 @@ from sglang_adatree.models.train import (
     _agreement,
     _teacher_top,
     _top_ce,
-)
-
-TINY = eagle.HeadConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    vocab_size=50,
 )
 
 
@@ -72,7 +64,7 @@ def _copy_task_data(num_seqs: int, length: int, seed: int) -> tuple[SequenceSet,
             tokens[s * length + j] = t
             t = (t * 7 + 3) % 50
     target_ids = (tokens * 7 + 3) % 50
-    embed = torch.randn(50, TINY.hidden_size, generator=g)
+    embed = torch.randn(50, TINY_HEAD.hidden_size, generator=g)
     # The target's hidden state at j points at its next token: lm_head(h) peaks on it.
     hidden = (embed[target_ids] * 4).to(torch.float16)
     starts = torch.arange(num_seqs) * length
@@ -100,7 +92,7 @@ def test_eagle_task_learns_a_rule(one_thread):
     data, embed = _copy_task_data(8, 16, seed=3)
     cfg = TrainConfig(draft="eagle", steps=2, teacher_top_k=8, input_noise=0.0)
     task = EagleTask(cfg, {standalone.EMBED_KEY: embed}, torch.arange(50))
-    head = eagle.EagleHead(TINY)
+    head = eagle.EagleHead(TINY_HEAD)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
     batch = make_batch(data, list(range(8)))
     with torch.no_grad():
