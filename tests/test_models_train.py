@@ -1,18 +1,26 @@
-"""The drafts' training loss: the sparse teacher, the agreement count and a small real fit."""
+"""The drafts' training loss: the sparse teacher, the agreement count, a small real fit, and
+whole runs on a tiny target (several data sets, a start from earlier weights)."""
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
-from models_tiny import TINY_HEAD
+from models_tiny import TINY_HEAD, make_tiny_target
+from safetensors.torch import load_file
 
 from sglang_adatree.models import eagle, standalone
+from sglang_adatree.models.card import _training_commands
 from sglang_adatree.models.data import SequenceSet, make_batch
+from sglang_adatree.models.datagen import DatagenConfig, run_datagen
+from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.train import (
     EagleTask,
     TrainConfig,
     _agreement,
     _teacher_top,
     _top_ce,
+    train,
 )
 
 
@@ -120,7 +128,8 @@ def test_card_training_command_reproduces_the_config(draft):
     from sglang_adatree.models.train import config_from_args
 
     cfg = TrainConfig(draft=draft, seed=3, epochs=4.5, lr=0.002, warmup_steps=50,
-                      tokens_per_batch=2048, steps=2, val_every=25)  # fmt: skip
+                      tokens_per_batch=2048, steps=2, val_every=25, data=("train", "train-b"),
+                      init_from="/some/run-1")  # fmt: skip
     line = train_command_line(draft, dataclasses.asdict(cfg))
     assert line.startswith(f"adatree models train {draft} ")
     parser = argparse.ArgumentParser()
@@ -129,3 +138,69 @@ def test_card_training_command_reproduces_the_config(draft):
     if draft == "standalone":  # the unrolled steps are the EAGLE head's alone
         back = dataclasses.replace(back, steps=cfg.steps)
     assert back == cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_home(tmp_path_factory):
+    """A data directory with a tiny target and two small generated data sets."""
+    torch.set_num_threads(1)
+    paths = ModelPaths(tmp_path_factory.mktemp("home"))
+    make_tiny_target(paths.target_dir)
+    for name, seed in (("a", 0), ("b", 1)):
+        cfg = DatagenConfig(name=name, seed=seed, prompts_per_shard=6, num_meta=1,
+                            num_followup=1, batch_size=3, max_new_tokens=12,
+                            meta_max_new_tokens=4, dtype="float32")  # fmt: skip
+        run_datagen(paths.target_dir, paths.datagen_dir(name), cfg, max_shards=2, log=print)
+    return paths
+
+
+def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp_path):
+    torch.manual_seed(5)
+    target_config = json.loads((tiny_home.target_dir / "config.json").read_text())
+    start = eagle.EagleHead(eagle.HeadConfig.from_target(target_config))
+    for p in start.parameters():  # far from any fresh initialisation
+        p.data.fill_(0.25)
+    eagle.export(start, None, target_config, tmp_path / "run-1")
+    earlier = {"config": {"epochs": 1}, "steps": 7, "train_seconds": 60, "best_val_top1": 0.5}
+    (tmp_path / "run-1" / "training.json").write_text(json.dumps(earlier))
+
+    one = train(TrainConfig(draft="eagle", data=("a",), epochs=1), tiny_home, 600)
+    cfg = TrainConfig(draft="eagle", data=("a", "b"), init_from=str(tmp_path / "run-1"),
+                      lr=1e-12, warmup_steps=1, epochs=0.01)  # fmt: skip
+    both = train(cfg, tiny_home, 600)
+
+    assert both["data"]["names"] == ["a", "b"] and both["data"]["seeds"] == [0, 1]
+    assert both["data"]["sequences"] > one["data"]["sequences"] > 0
+    assert both["init"] == earlier and one["init"] is None
+    # One step at a vanishing learning rate: the weights are still the given ones.
+    trained = torch.load(tiny_home.train_dir("eagle") / "last.pt", weights_only=False)["model"]
+    shipped = load_file(tmp_path / "run-1" / "model.safetensors")
+    assert both["steps"] == 1 and trained.keys() == shipped.keys()
+    for key, value in shipped.items():
+        assert torch.allclose(trained[key], value.float(), atol=1e-6), key
+
+
+def test_a_missing_start_folder_is_refused(tiny_home, tmp_path):
+    cfg = TrainConfig(draft="eagle", data=("a",), init_from=str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match="--init-from"):
+        train(cfg, tiny_home, 600)
+
+
+def test_the_card_names_every_run_of_a_lineage():
+    first = {"config": dataclasses_dict(TrainConfig(draft="eagle", lr=0.002)), "steps": 456,
+             "train_seconds": 2160, "best_val_top1": 0.517, "init": None}  # fmt: skip
+    second = {"config": dataclasses_dict(TrainConfig(draft="eagle", data=("train", "train-b"),
+                                                     init_from="/x/run-1")),
+              "steps": 800, "train_seconds": 3600, "best_val_top1": 0.6, "init": first}  # fmt: skip
+    text = _training_commands("eagle", second)
+    assert text.startswith("Trained in 2 runs")
+    assert "--lr 0.002" in text and "456 steps, 36 min" in text
+    assert "--data train train-b --init-from <run 1 weights>" in text and "/x/run-1" not in text
+    alone = _training_commands("eagle", first)
+    assert alone.startswith("Command: `adatree models train eagle") and "--init-from" not in alone
+
+
+def dataclasses_dict(cfg: TrainConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)

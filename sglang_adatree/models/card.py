@@ -65,14 +65,45 @@ def _gain_table(gains: list[ShapeGain]) -> list[str]:
     return lines
 
 
-def train_command_line(draft: str, cfg: dict) -> str:
+def train_command_line(draft: str, cfg: dict, init_label: str | None = None) -> str:
     """The ``adatree models train`` call that reproduces a training config."""
     flags = f"--epochs {cfg['epochs']:g} --lr {cfg['lr']:g} --warmup-steps {cfg['warmup_steps']}"
     flags += f" --tokens-per-batch {cfg['tokens_per_batch']} --val-every {cfg['val_every']}"
     flags += f" --seed {cfg['seed']}"
     if draft == "eagle":
         flags += f" --unroll {cfg['steps']}"
+    data = cfg.get("data") or ["train"]
+    if list(data) != ["train"]:
+        flags += " --data " + " ".join(data)
+    if cfg.get("init_from"):
+        flags += f" --init-from {init_label or cfg['init_from']}"
     return f"adatree models train {draft} {flags} --export"
+
+
+def _runs(training: dict) -> list[dict]:
+    """The training runs that made the weights, earliest first (``init`` links them)."""
+    runs = [training]
+    while runs[0].get("init"):
+        runs.insert(0, runs[0]["init"])
+    return runs
+
+
+def _training_commands(draft: str, training: dict) -> str:
+    """How to repeat the runs that made the weights."""
+    runs = _runs(training)
+    if len(runs) == 1:
+        return f"Command: `{train_command_line(draft, training['config'])}`"
+    parts = []
+    for i, run in enumerate(runs, 1):
+        label = f"<run {i - 1} weights>" if i > 1 else None
+        parts.append(
+            f"run {i}: `{train_command_line(draft, run['config'], label)}` ({run['steps']} steps, "
+            f"{run['train_seconds'] / 60:.0f} min, best validation {run['best_val_top1']:.3f})"
+        )
+    return (
+        f"Trained in {len(runs)} runs, each starting from the exported weights of the one "
+        "before (`--init-from` a copy of that folder): " + "; ".join(parts)
+    )
 
 
 def render(
@@ -127,8 +158,9 @@ def render(
         "",
         "## Training",
         "",
-        f"{training['steps']} optimizer steps in {training['train_seconds'] / 60:.0f} min on "
-        f"the CPU (bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
+        f"{sum(r['steps'] for r in _runs(training))} optimizer steps in "
+        f"{sum(r['train_seconds'] for r in _runs(training)) / 60:.0f} min on the CPU "
+        f"(bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
         f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
         "distribution"
         + (
@@ -143,8 +175,8 @@ def render(
             else "."
         )
         + f" Best validation top-1 agreement: {training['best_val_top1']:.3f}. "
-        + f"Command: `{train_command_line(draft, cfg)}` (the time budget aside, every other "
-        "setting at its default).",
+        + _training_commands(draft, training)
+        + " (the time budget aside, every other setting at its default).",
         "",
         "## Agreement with the target's greedy tokens (held out)",
         "",

@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("train", help="train a draft on generated data")
     p.add_argument("draft", choices=DRAFTS)
-    p.add_argument("--data", default="train", help="data set name under <home>/datagen/")
-    p.add_argument("--eval-data", default="eval-mtbench", help="held-out data for validation")
+    p.add_argument(
+        "--data", nargs="+", default=["train"], help="data set names under <home>/datagen/"
+    )
+    p.add_argument("--init-from", help="start from this exported weights folder (a finished run)")
     p.add_argument("--time-budget-min", type=float, default=60.0)
     p.add_argument("--tokens", type=int, help="use at most this many training tokens")
     p.add_argument("--epochs", type=float, default=4.0)

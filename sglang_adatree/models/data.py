@@ -92,9 +92,12 @@ def load_sequences(data_dirs: list[Path], max_answer_tokens: int | None = None) 
 
 
 def split_validation(data: SequenceSet) -> tuple[SequenceSet, SequenceSet]:
-    """Every 50th sequence for validation (every 20th of a small set), the rest for training."""
+    """Every 50th sequence for validation (every 20th of a small set, the last one of a set
+    under 20), the rest for training."""
+    if data.num_seqs < 2:
+        raise ValueError(f"{data.num_seqs} sequence(s): too few to hold one out for validation")
     every = 50 if data.num_seqs >= 500 else 20
-    val = list(range(every - 1, data.num_seqs, every))
+    val = list(range(every - 1, data.num_seqs, every)) or [data.num_seqs - 1]
     held = set(val)
     return data.subset([i for i in range(data.num_seqs) if i not in held]), data.subset(val)
 

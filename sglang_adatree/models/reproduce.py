@@ -58,7 +58,7 @@ def reproduce(paths: ModelPaths, budget: Budget) -> None:
     minutes = {"eagle": budget.eagle_minutes, "standalone": budget.standalone_minutes}
     for draft, limit in minutes.items():
         cfg = TrainConfig(draft=draft, epochs=budget.epochs)
-        summary = train(cfg, paths, ["train"], limit * 60)
+        summary = train(cfg, paths, limit * 60)
         print(f"exported {export_best(paths, draft, summary)}")
     for line in prepare_all(paths):
         print(line)

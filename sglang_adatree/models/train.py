@@ -50,6 +50,10 @@ class TrainConfig:
     """Hyper-parameters of one run; stored with its checkpoints."""
 
     draft: str  # eagle | standalone
+    data: tuple[str, ...] = ("train",)  # data sets under <home>/datagen/, in this order
+    # a weights folder (as ``export_best`` writes it) to start from instead of the usual start;
+    # its training.json becomes the summary's "init", so a card can name the whole lineage
+    init_from: str | None = None
     seed: int = 0
     epochs: float = 4.0
     lr: float = 1e-3
@@ -219,10 +223,28 @@ def validate(model: torch.nn.Module, task, data: SequenceSet, tokens_per_batch: 
     return [h / max(c, 1) for h, c in zip(hits, counts, strict=True)]
 
 
+def _init_weights(
+    model: torch.nn.Module, draft: str, folder: Path, target_dir: Path
+) -> dict | None:
+    """Load a draft's exported weights into ``model``; return that folder's training summary.
+
+    The EAGLE head's token map is not taken over: the head's layers compute a hidden state of
+    the target's, whatever rows of the lm_head are kept, so the map is rebuilt from the data.
+    """
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--init-from {folder}: no such weights folder")
+    if draft == "eagle":
+        head, _ = eagle.load(folder)
+        model.load_state_dict(head.state_dict())
+    else:
+        model.load_state_dict(standalone.load(folder, target_dir).state_dict())
+    summary = folder / "training.json"
+    return json.loads(summary.read_text()) if summary.is_file() else None
+
+
 def train(
     cfg: TrainConfig,
     paths: ModelPaths,
-    data_names: list[str],
     time_budget_s: float,
     max_answer_tokens: int | None = None,
 ) -> dict:
@@ -230,6 +252,7 @@ def train(
     torch.manual_seed(cfg.seed)
     out_dir = paths.train_dir(cfg.draft)
     out_dir.mkdir(parents=True, exist_ok=True)
+    data_names = list(cfg.data)
     data = load_sequences([paths.datagen_dir(n) for n in data_names], max_answer_tokens)
     train_set, val_set = split_validation(data)
     target_state = load_file(paths.target_dir / "model.safetensors")
@@ -246,10 +269,13 @@ def train(
         hot_ids = None
         model = standalone.build_draft(paths.target_dir, cfg.source_layers)
         task = StandaloneTask(cfg, target_state)
+    init = None
+    if cfg.init_from:
+        init = _init_weights(model, cfg.draft, Path(cfg.init_from), paths.target_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     per_epoch = sum(1 for _ in batches(train_set, cfg.tokens_per_batch, seed=None))
-    total_steps = int(per_epoch * cfg.epochs)
+    total_steps = max(1, int(per_epoch * cfg.epochs))
     state = {"step": 0, "elapsed": 0.0, "best": -1.0, "history": []}
     last = out_dir / "last.pt"
     if last.is_file():
@@ -314,7 +340,7 @@ def train(
     bar.close()
     save("last.pt")
     shards = [s for n in data_names for s in read_manifest(paths.datagen_dir(n))["shards"]]
-    data_cfg = read_manifest(paths.datagen_dir(data_names[0]))["config"]
+    data_cfgs = [read_manifest(paths.datagen_dir(n))["config"] for n in data_names]
     return {
         "draft": cfg.draft,
         "data": {
@@ -322,8 +348,10 @@ def train(
             "sequences": data.num_seqs,
             "answer_tokens": data.num_answer_tokens,
             "hours": round(sum(s["seconds"] for s in shards) / 3600, 2),
-            "max_new_tokens": data_cfg["max_new_tokens"],
+            "max_new_tokens": max(c["max_new_tokens"] for c in data_cfgs),
+            "seeds": [c["seed"] for c in data_cfgs],
         },
+        "init": init,
         "steps": state["step"],
         "train_seconds": round(state["elapsed"]),
         "train_answer_tokens": train_set.num_answer_tokens,
@@ -337,7 +365,7 @@ def train(
 def export_best(paths: ModelPaths, draft: str, summary: dict) -> Path:
     """Write the shipped weights folder from ``best.pt`` (and the training summary)."""
     ckpt = torch.load(paths.train_dir(draft) / "best.pt", weights_only=False)
-    cfg = TrainConfig(**{**ckpt["config"], "source_layers": tuple(ckpt["config"]["source_layers"])})
+    cfg = config_from_dict(ckpt["config"])
     target_config = json.loads((paths.target_dir / "config.json").read_text())
     if draft == "eagle":
         out_dir = shipped_weights(EAGLE_NAME)
@@ -353,10 +381,18 @@ def export_best(paths: ModelPaths, draft: str, summary: dict) -> Path:
     return out_dir
 
 
+def config_from_dict(stored: dict) -> TrainConfig:
+    """A config back from its ``asdict`` form (checkpoints and JSON hold lists, not tuples)."""
+    tuples = {k: tuple(stored[k]) for k in ("data", "source_layers") if k in stored}
+    return TrainConfig(**{**stored, **tuples})
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The training config of an ``adatree models train`` call."""
     return TrainConfig(
         draft=args.draft,
+        data=tuple(args.data),
+        init_from=args.init_from,
         seed=args.seed,
         epochs=args.epochs,
         lr=args.lr,
@@ -369,7 +405,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def train_command(args: argparse.Namespace, paths: ModelPaths) -> int:
     cfg = config_from_args(args)
-    summary = train(cfg, paths, [args.data], args.time_budget_min * 60, args.tokens)
+    summary = train(cfg, paths, args.time_budget_min * 60, args.tokens)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     if args.export:
         print(f"exported to {export_best(paths, args.draft, summary)}")
