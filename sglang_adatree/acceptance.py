@@ -12,10 +12,19 @@ observations at the start. Counts decay exponentially: each verify step that mea
 keeps ``1 - acceptance_decay`` of its old counts, and of the prior's pseudo-observations too.
 The prior therefore fades once a cell is measured: were its weight kept, it would stay as large
 as the decayed evidence itself (about ``batch / acceptance_decay`` trials), and at batch size 1
-(20 pseudo-observations against about 50 real ones) a true hazard of 0.2 would read 0.31 for
-ever. The effective observations behind a cell (its decayed trial count) are the confidence
-measure. Per request class estimates shrink towards the global ones instead of towards the
-prior.
+(20 pseudo-observations against about 50 real ones at decay 0.02) a true hazard of 0.2 would
+read 0.31 for ever. The effective observations behind a cell (its decayed trial count) are the
+confidence measure.
+
+The default decay, 0.005, keeps about 200 verify steps of evidence. At batch size 1 a step adds
+one trial per depth, and the estimate's noise must stay well under the margins the policy
+decides by: with 0.02 (50 trials) a hazard of 0.35 reads 0.35 +- 0.05, as wide as the gap
+between a chain that pays and one that does not on a CPU, so the policy dropped to no
+speculation on an unlucky streak and stayed there (no speculation measures no acceptance): on
+GSM8K at concurrency 1 it ran 1,1,2 on 47% of the steps although it measured 1,1,2 13-17%
+ahead (``tests/test_policy.py`` simulates this).
+
+Per request class estimates shrink towards the global ones instead of towards the prior.
 
 Expected emitted tokens of a shape follow how EAGLE-2 builds the tree: a node's value is the
 product of ``p`` along its path; layer 1 holds the root's ``topk`` children; each further layer
@@ -67,7 +76,7 @@ class AcceptanceEstimator:
         self,
         prior: float = 0.6,
         prior_weight: float = 20.0,
-        decay: float = 0.02,
+        decay: float = 0.005,
         refresh_every: int = DEFAULT_REFRESH_EVERY,
     ) -> None:
         if not 0.0 < prior < 1.0 or prior_weight < 0.0 or not 0.0 < decay <= 1.0:

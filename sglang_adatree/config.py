@@ -170,7 +170,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "acceptance_decay",
-        0.02,
+        0.005,
         "(0, 1]",
         "weight of the newest verify step in the online acceptance estimates",
         _float,
@@ -277,7 +277,7 @@ class AdaTreeConfig:
     explore_max_loss: float = 0.3
     explore_seed: int = 0
     warmup_steps: int = 32
-    acceptance_decay: float = 0.02
+    acceptance_decay: float = 0.005
     acceptance_prior: float = 0.6
     acceptance_prior_weight: float = 20.0
     residual_decay: float = 0.05
