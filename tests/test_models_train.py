@@ -10,7 +10,7 @@ from models_tiny import TINY_HEAD, make_tiny_target
 from safetensors.torch import load_file
 
 from sglang_adatree.models import eagle, standalone
-from sglang_adatree.models.card import _training_commands
+from sglang_adatree.models.card import _datagen_commands, _training_commands
 from sglang_adatree.models.data import SequenceSet, make_batch
 from sglang_adatree.models.datagen import DatagenConfig, run_datagen
 from sglang_adatree.models.paths import ModelPaths
@@ -170,6 +170,11 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     both = train(cfg, tiny_home, 600)
 
     assert both["data"]["names"] == ["a", "b"] and both["data"]["seeds"] == [0, 1]
+    assert _datagen_commands(both["data"]) == (
+        ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 3 "
+        "--max-new-tokens 12 --worker w/2` and `adatree models --threads 1 datagen --name b "
+        "--seed 1 --batch-size 3 --max-new-tokens 12 --worker w/2` (w = 0, 1)"
+    )
     assert both["data"]["sequences"] > one["data"]["sequences"] > 0
     assert both["init"] == earlier and one["init"] is None
     # One step at a vanishing learning rate: the weights are still the given ones.

@@ -80,6 +80,19 @@ def train_command_line(draft: str, cfg: dict, init_label: str | None = None) -> 
     return f"adatree models train {draft} {flags} --export"
 
 
+def _datagen_commands(data: dict) -> str:
+    """The ``adatree models datagen`` calls that made the data sets (older summaries: none)."""
+    sets = data.get("sets")
+    if not sets:
+        return ""
+    calls = [
+        f"`adatree models --threads 1 datagen --name {s['name']} --seed {s['seed']} "
+        f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} --worker w/2`"
+        for s in sets
+    ]
+    return ", by " + " and ".join(calls) + " (w = 0, 1)"
+
+
 def _runs(training: dict) -> list[dict]:
     """The training runs that made the weights, earliest first (``init`` links them)."""
     runs = [training]
@@ -154,7 +167,9 @@ def render(
         f"{training['train_answer_tokens']} answer tokens for training and "
         f"{training['val_answer_tokens']} for validation (held-out conversations); "
         f"generated in {training['data']['hours']:.1f} h, the sum of the shards' own times "
-        "(datagen processes of one thread each, up to two at once on 2 CPU cores).",
+        "(datagen processes of one thread each, up to two at once on 2 CPU cores)"
+        + _datagen_commands(training["data"])
+        + ".",
         "",
         "## Training",
         "",

@@ -350,6 +350,10 @@ def train(
             "hours": round(sum(s["seconds"] for s in shards) / 3600, 2),
             "max_new_tokens": max(c["max_new_tokens"] for c in data_cfgs),
             "seeds": [c["seed"] for c in data_cfgs],
+            "sets": [
+                {k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")}
+                for c in data_cfgs
+            ],
         },
         "init": init,
         "steps": state["step"],
