@@ -1,8 +1,10 @@
 """Agreement figures on hand-made cases, and the two rank functions on tiny models."""
 
+import dataclasses
+
 import pytest
 import torch
-from models_tiny import make_tiny_target
+from models_tiny import TINY_HEAD, make_tiny_target
 
 from sglang_adatree.models import eagle, standalone
 from sglang_adatree.models.data import SequenceSet
@@ -74,13 +76,7 @@ def test_standalone_depth_s_is_the_prediction_s_minus_1_later(tmp_path):
 
 def test_eagle_depth_1_ranks_match_a_direct_forward():
     torch.manual_seed(0)
-    cfg = eagle.HeadConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=40,
-    )
+    cfg = dataclasses.replace(TINY_HEAD, vocab_size=40)
     head = eagle.EagleHead(cfg).eval()
     embed = torch.randn(40, 32)
     data = _sequences(40, 32)

@@ -169,7 +169,10 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
                       lr=1e-12, warmup_steps=1, epochs=0.01)  # fmt: skip
     both = train(cfg, tiny_home, 600)
 
-    assert both["data"]["names"] == ["a", "b"] and both["data"]["seeds"] == [0, 1]
+    assert both["data"]["names"] == ["a", "b"] and [d["seed"] for d in both["data"]["sets"]] == [
+        0,
+        1,
+    ]
     assert _datagen_commands(both["data"]) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 3 "
         "--max-new-tokens 12 --worker w/2` and `adatree models --threads 1 datagen --name b "

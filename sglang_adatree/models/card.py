@@ -131,6 +131,7 @@ def render(
 ) -> str:
     """The card's Markdown."""
     headline = next(r for r in results if r.data == HEADLINE_SET)
+    runs = _runs(training)
     cfg = training["config"]
     draft_ms = times.eagle_ms if draft == "eagle" else times.standalone_ms
     arch = ARCHITECTURE[draft].format(
@@ -173,8 +174,8 @@ def render(
         "",
         "## Training",
         "",
-        f"{sum(r['steps'] for r in _runs(training))} optimizer steps in "
-        f"{sum(r['train_seconds'] for r in _runs(training)) / 60:.0f} min on the CPU "
+        f"{sum(r['steps'] for r in runs)} optimizer steps in "
+        f"{sum(r['train_seconds'] for r in runs) / 60:.0f} min on the CPU "
         f"(bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
         f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
         "distribution"

@@ -339,8 +339,9 @@ def train(
                 break
     bar.close()
     save("last.pt")
-    shards = [s for n in data_names for s in read_manifest(paths.datagen_dir(n))["shards"]]
-    data_cfgs = [read_manifest(paths.datagen_dir(n))["config"] for n in data_names]
+    manifests = [read_manifest(paths.datagen_dir(n)) for n in data_names]
+    shards = [s for m in manifests for s in m["shards"]]
+    data_cfgs = [m["config"] for m in manifests]
     return {
         "draft": cfg.draft,
         "data": {
@@ -349,7 +350,6 @@ def train(
             "answer_tokens": data.num_answer_tokens,
             "hours": round(sum(s["seconds"] for s in shards) / 3600, 2),
             "max_new_tokens": max(c["max_new_tokens"] for c in data_cfgs),
-            "seeds": [c["seed"] for c in data_cfgs],
             "sets": [
                 {k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")}
                 for c in data_cfgs
