@@ -3,6 +3,7 @@ import pytest
 
 from sglang_adatree.cost_model import (
     MIN_STEP_MS,
+    PRIOR_STEPS,
     AnalyticStepTime,
     OnlineCostModel,
     ResidualCorrection,
@@ -54,9 +55,17 @@ def test_residual_correction_pulls_towards_measurements():
     f = StepFeatures(8, 8000, 1000)
     raw = model.predict_ms(f, shape)
     model.observe(f, shape, 2 * raw)
-    # One step moves the log-residual by decay only: a single noisy step cannot swing it.
-    assert model.predict_ms(f, shape) == pytest.approx(raw * 2**0.1)
-    for _ in range(100):
+    # The model counts as PRIOR_STEPS agreeing steps: one step moves the log-residual by
+    # 0.1 / (0.1 + PRIOR_STEPS * 0.1 * 0.9), so a single noisy step cannot swing it.
+    assert model.predict_ms(f, shape) == pytest.approx(raw * 2 ** (1 / (1 + 0.9 * PRIOR_STEPS)))
+    for _ in range(9):
+        model.observe(f, shape, 2 * raw)
+    # Ten steps: 1 - 0.9**10 of the moving average's weight is on them, the prior keeps the rest.
+    weight = 1 - 0.9**10
+    assert model.predict_ms(f, shape) == pytest.approx(
+        raw * 2 ** (weight / (weight + PRIOR_STEPS * 0.1 * 0.9**10))
+    )
+    for _ in range(91):
         model.observe(f, shape, 2 * raw)
     assert model.predict_ms(f, shape) == pytest.approx(2 * raw, rel=1e-3)
     # Other shapes keep their own correction.
@@ -90,3 +99,21 @@ def test_predictions_never_reach_zero():
 def test_bad_residual_decay():
     with pytest.raises(ValueError):
         ResidualCorrection(0.0)
+    with pytest.raises(ValueError, match="prior"):
+        ResidualCorrection(0.1, prior_steps=-1.0)
+
+
+def test_replay_is_observing_in_order():
+    f = StepFeatures(2, 400, 300)
+    shapes = [TreeShape(3, 1, 4), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
+    times = np.array([30.0, 12.0, 40.0])
+    replayed = OnlineCostModel(AnalyticStepTime(), residual_decay=0.2)
+    replayed.replay([f] * 3, shapes, times)
+    observed = OnlineCostModel(AnalyticStepTime(), residual_decay=0.2)
+    for shape, ms in zip(shapes, times, strict=True):
+        observed.observe(f, shape, float(ms))
+    for shape in set(shapes):
+        assert replayed.predict_ms(f, shape) == pytest.approx(observed.predict_ms(f, shape))
+        assert replayed.residual.measured(shape) == observed.residual.measured(shape)
+    with pytest.raises(ValueError, match="one shape and one time"):
+        replayed.replay([f], shapes, times)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from sqlalchemy import insert, select
@@ -119,6 +120,30 @@ def test_analytic_model_refits_on_measured_steps(tmp_path):
         assert predicted == pytest.approx(expected, rel=0.05)
     finally:
         runtime.close()
+
+
+def test_a_refit_keeps_the_corrections_the_measurements_imply(tmp_path):
+    # Step times no analytic fit matches: the 2-step tree costs far more than the 3-step chain
+    # with as many draft tokens (non-negative coefficients cannot make a draft pass cheaper).
+    truth = {"0,1,1": 40.0, "1,1,2": 55.0, "2,1,3": 60.0, "2,2,4": 150.0, "3,1,4": 70.0}
+    config = _config(tmp_path, record_steps=False, candidate_shapes=";".join(truth))
+    runtime = AdaTreeRuntime(config, None, control=False)
+    measured = {shape: truth[str(shape)] for shape in runtime.candidate_shapes}
+    for i in range(400):
+        shape = runtime.candidate_shapes[i % len(measured)]
+        decision, features = runtime.decide([50 + i % 7])
+        decision = type(decision)(shape, "explore", 1.0, 1.0)
+        runtime.complete_step(decision, features, measured[shape], [0])
+    refit = runtime._refit(force=True)
+    assert refit is not None
+    # The bare fit is off by more than 20% on some shape...
+    raw = refit.raw_ms_many(features, runtime.candidate_shapes)
+    expected = np.array(list(measured.values()))
+    assert np.max(np.abs(raw / expected - 1)) > 0.2
+    # ...but the model the policy gets starts with the corrections of the same history.
+    predicted = refit.predict_ms_many(features, runtime.candidate_shapes)
+    assert predicted == pytest.approx(expected, rel=0.03)
+    assert all(refit.residual.measured(s) == 80 for s in runtime.candidate_shapes)
 
 
 def test_accepted_counts():
