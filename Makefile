@@ -14,7 +14,12 @@ venv: $(STAMP)
 
 $(STAMP): requirements/cpu.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check --no-deps -r requirements/cpu.lock
+	# Disk: torch's wheel links the CUDA libraries (3.4 GB of the 7.2 GB venv) even on a CPU.
+	# They go in first, on their own, and no wheel is kept in pip's cache, so their downloaded
+	# wheels are gone before the rest arrive (a CI run ran out of disk during the install).
+	grep -E '^(nvidia|cuda)-' requirements/cpu.lock > $(VENV)/cuda-libs.txt
+	$(BIN)/pip install --disable-pip-version-check --no-cache-dir --no-deps -r $(VENV)/cuda-libs.txt
+	$(BIN)/pip install --disable-pip-version-check --no-cache-dir --no-deps -r requirements/cpu.lock
 	$(BIN)/pip install --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import sglang, torch, torchvision, xgboost, flask, plotly, sqlalchemy, alembic; print('venv ok: sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
