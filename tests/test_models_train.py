@@ -49,6 +49,23 @@ def test_top_ce_gradient_matches_dense():
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
+def test_top_ce_on_bf16_logits_stays_close_to_fp64():
+    # Training runs under bf16 autocast, so the log-softmax runs in bf16 (fp32 accumulation).
+    torch.manual_seed(2)
+    logits = torch.randn(64, 4096, dtype=torch.float64) * 3
+    probs, index = _teacher_top(torch.randn(64, 4096) * 4, 32)
+    exact = logits.clone().requires_grad_()
+    want = -(probs.double() * torch.log_softmax(exact, -1).gather(1, index)).sum(-1).mean()
+    want.backward()
+    low = logits.to(torch.bfloat16).requires_grad_()
+    got = _top_ce(low, probs, index)
+    got.backward()
+    assert got.dtype == torch.float32
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-3)
+    error = (low.grad.double() - exact.grad).norm() / exact.grad.norm()
+    assert error < 0.02
+
+
 def test_agreement_counts_argmax_hits_and_unmapped_labels_as_misses():
     torch.manual_seed(2)
     logits = torch.randn(100, 30)

@@ -224,7 +224,9 @@ class EagleHead(nn.Module):
         scores = scores.masked_fill(~base_mask, float("-inf"))
         # Step s > 1 at position i also sees its ancestors' entries at i (steps 2..s).
         diag = [(q * ks).sum(-1, keepdim=True) * scale for ks, _ in kv_cache[1:]]
-        probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        # In the scores' dtype: the CPU kernel accumulates bf16 in fp32, and an fp32 copy of
+        # [B, heads, L, L] and back cost more than the softmax itself in bf16 training.
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
         out = probs[..., :length] @ v1  # [B, heads, L, D]
         for j, (_, vs) in enumerate(kv_cache[1:]):
             out = out + probs[..., length + j : length + j + 1] * vs
