@@ -27,13 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from scipy.optimize import nnls
 
-from sglang_adatree.features import (
-    COLUMN,
-    NUM_FEATURES,
-    StepFeatures,
-    feature_matrix,
-    feature_rows,
-)
+from sglang_adatree.features import COLUMN, NUM_FEATURES, StepFeatures, feature_matrix
 from sglang_adatree.shapes import TreeShape
 
 if TYPE_CHECKING:
@@ -239,7 +233,10 @@ class OnlineCostModel:
         self.residual.update(shape, measured_ms, self._raw_one(features, shape))
 
     def replay(
-        self, features: Sequence[StepFeatures], shapes: Sequence[TreeShape], measured_ms: np.ndarray
+        self,
+        x: np.ndarray,  # [rows, NUM_FEATURES], from ``features.feature_rows``
+        shapes: Sequence[TreeShape],
+        measured_ms: np.ndarray,  # [rows]
     ) -> None:
         """Observe measured steps, oldest first, as if this model had served them.
 
@@ -248,14 +245,14 @@ class OnlineCostModel:
         step-time model gets wrong is chosen again on the same error until it has run for a while,
         after every refit (the runtime refits every 128 measured steps).
         """
-        if not (len(features) == len(shapes) == len(measured_ms)):
+        if not (len(x) == len(shapes) == len(measured_ms)):
             raise ValueError("replay needs one shape and one time per feature row")
-        if not features:
+        if not len(x):
             return
         # One matrix prediction for all rows (a row at a time took 0.3 s for 4096 rows, in a
         # thread beside the scheduler's). Against the step-time model itself, not the table,
         # which interpolates the same model.
-        raw = self.step_time.predict_matrix(feature_rows(features, shapes))  # [rows]
+        raw = self.step_time.predict_matrix(x)  # [rows]
         measured = np.asarray(measured_ms, dtype=np.float64)
         rows: dict[TreeShape, list[int]] = {}
         for i, shape in enumerate(shapes):

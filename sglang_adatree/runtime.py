@@ -294,9 +294,8 @@ class AdaTreeRuntime:
                     try:
                         model = XGBoostStepTime.from_bytes(state.policy.artifact)
                         table = CostTable.build(model, self.candidate_shapes, self._grid)
-                        cost_model = self._seeded(
-                            OnlineCostModel(model, self.config.residual_decay, table)
-                        )
+                        cost_model = OnlineCostModel(model, self.config.residual_decay, table)
+                        cost_model.replay(*self._measured_matrix(list(self._history)))
                         version, source = state.policy.version, "policy"
                         known_version = version
                     except (ArtifactError, ValueError) as exc:
@@ -323,37 +322,38 @@ class AdaTreeRuntime:
         """The analytic model refitted on this server's measured steps, when there are new ones."""
         rows = list(self._history)
         new = self._measured_total - self._last_refit_rows
-        shapes = {m.shape for m in rows}
-        if len(rows) < MIN_REFIT_ROWS or len(shapes) < 2 or (not force and new < REFIT_EVERY_ROWS):
+        if (
+            len(rows) < MIN_REFIT_ROWS
+            or len({m.shape for m in rows}) < 2
+            or (not force and new < REFIT_EVERY_ROWS)
+        ):
             return None
         self._last_refit_rows = self._measured_total
-        x = feature_rows([m.features for m in rows], [m.shape for m in rows])
-        y = np.array([m.measured_ms for m in rows])
+        x, shapes, y = self._measured_matrix(rows)
         try:
             fitted = AnalyticStepTime.fit(x, y)
         except (ValueError, np.linalg.LinAlgError) as exc:
             logger.warning("adatree: analytic refit failed: %s", exc)
             return None
         self._refit_mape = mape(fitted.predict_matrix(x), y)
-        return self._seeded(OnlineCostModel(fitted, self.config.residual_decay), rows)
-
-    def _seeded(
-        self, cost_model: OnlineCostModel, rows: list[_Measured] | None = None
-    ) -> OnlineCostModel:
-        """``cost_model`` with the residual corrections this server's measured steps imply.
-
-        A fresh model would start every shape's correction at zero and forget what the
-        measurements taught: in a CPU run, refits (every 128 steps) predicted trees at 27-38 ms
-        that had measured 280-380 ms, and each tree was run again to learn it anew.
-        """
-        if rows is None:
-            rows = list(self._history)
-        cost_model.replay(
-            [m.features for m in rows],
-            [m.shape for m in rows],
-            np.array([m.measured_ms for m in rows]),
-        )
+        cost_model = OnlineCostModel(fitted, self.config.residual_decay)
+        cost_model.replay(x, shapes, y)
         return cost_model
+
+    @staticmethod
+    def _measured_matrix(
+        rows: list[_Measured],
+    ) -> tuple[np.ndarray, list[TreeShape], np.ndarray]:
+        """Measured steps as (feature rows [rows, NUM_FEATURES], shapes, ms [rows]).
+
+        What a replacing cost model is fitted on and replays: a fresh model would start every
+        shape's correction at zero and forget what the measurements taught (in a CPU run,
+        refits every 128 steps predicted trees at 27-38 ms that had measured 280-380 ms, and
+        each tree was run again to learn it anew).
+        """
+        shapes = [m.shape for m in rows]
+        x = feature_rows([m.features for m in rows], shapes)
+        return x, shapes, np.array([m.measured_ms for m in rows])
 
 
 def broadcast_decision(decision: Any, group: Any) -> Any:

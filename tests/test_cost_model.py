@@ -108,7 +108,7 @@ def test_replay_is_observing_in_order():
     shapes = [TreeShape(3, 1, 4), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
     times = np.array([30.0, 12.0, 40.0])
     replayed = OnlineCostModel(AnalyticStepTime(), residual_decay=0.2)
-    replayed.replay([f] * 3, shapes, times)
+    replayed.replay(feature_rows([f] * 3, shapes), shapes, times)
     observed = OnlineCostModel(AnalyticStepTime(), residual_decay=0.2)
     for shape, ms in zip(shapes, times, strict=True):
         observed.observe(f, shape, float(ms))
@@ -116,4 +116,4 @@ def test_replay_is_observing_in_order():
         assert replayed.predict_ms(f, shape) == pytest.approx(observed.predict_ms(f, shape))
         assert replayed.residual.measured(shape) == observed.residual.measured(shape)
     with pytest.raises(ValueError, match="one shape and one time"):
-        replayed.replay([f], shapes, times)
+        replayed.replay(feature_rows([f], shapes[:1]), shapes, times)
