@@ -7,6 +7,7 @@ import torch
 from models_tiny import make_tiny_target
 from safetensors.torch import load_file
 
+from sglang_adatree.models import datagen
 from sglang_adatree.models.datagen import DatagenConfig, load_shard, read_manifest, run_datagen
 
 CFG = DatagenConfig(
@@ -14,6 +15,7 @@ CFG = DatagenConfig(
     prompts_per_shard=5,
     num_meta=1,
     num_followup=1,
+    num_passage=1,
     batch_size=2,
     max_new_tokens=6,
     meta_max_new_tokens=4,
@@ -50,7 +52,9 @@ def test_labels_are_greedy_and_hidden_is_after_the_final_norm(tiny_target, tmp_p
     assert torch.equal(answer, shard.target_ids[first][prompt_len - 1 : -1])
 
 
-def test_resume_after_a_stop_gives_the_same_data(tiny_target, tmp_path):
+def test_resume_after_a_stop_gives_the_same_data(tiny_target, tmp_path, monkeypatch):
+    # The tiny target's answers are a few characters long: let any of them be a passage.
+    monkeypatch.setattr(datagen, "PASSAGE_CHARS", (1, 1600))
     whole, split = tmp_path / "whole", tmp_path / "split"
     _run(tiny_target, whole, max_shards=4)
     _run(tiny_target, split, max_shards=2)
@@ -65,9 +69,13 @@ def test_resume_after_a_stop_gives_the_same_data(tiny_target, tmp_path):
         a, b = load_file(whole / f"{name}.safetensors"), load_file(split / f"{name}.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert (whole / f"{name}.json").read_text() == (split / f"{name}.json").read_text()
-    # Shard 2 harvested shard 0: a follow-up on one of its answers.
-    kinds = [row["kind"] for row in json.loads((whole / "shard-00002.json").read_text())]
-    assert "followup" in kinds
+    # Shard 2 harvested shard 0: a follow-up on one of its answers, and a passage task on one.
+    rows = json.loads((whole / "shard-00002.json").read_text())
+    kinds = [row["kind"] for row in rows]
+    assert "followup" in kinds and "passage" in kinds
+    earlier = [r["answer"] for r in json.loads((whole / "shard-00000.json").read_text())]
+    passage = next(r for r in rows if r["kind"] == "passage")["messages"][0][1]
+    assert any(a.strip() and a.strip() in passage for a in earlier)
 
 
 def test_two_workers_split_the_shards(tiny_target, tmp_path):
@@ -87,3 +95,30 @@ def test_other_settings_are_refused(tiny_target, tmp_path):
 def test_token_budget_stops_generation(tiny_target, tmp_path):
     manifest = _run(tiny_target, tmp_path, max_response_tokens=1)
     assert len(manifest["shards"]) == 1
+
+
+def test_a_data_set_made_before_passages_still_resumes(tiny_target, tmp_path):
+    _run(tiny_target, tmp_path, max_shards=1)
+    path = tmp_path / "manifest.json"
+    legacy = json.loads(path.read_text())
+    del legacy["config"]["num_passage"]
+    path.write_text(json.dumps(legacy))
+    old = DatagenConfig(**{**CFG.__dict__, "num_passage": 0})
+    manifest = run_datagen(tiny_target, tmp_path, old, max_shards=2, log=lambda _: None)
+    assert len(manifest["shards"]) == 2
+    with pytest.raises(ValueError, match="other settings"):
+        run_datagen(tiny_target, tmp_path, CFG, max_shards=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "expected"),
+    [
+        ("short.", 100, "short."),
+        ("One two three. Four five six seven.", 20, "One two three."),
+        ("Hi. abcdefghijklmnop", 12, "Hi. abcdefgh"),  # the only break is too early: hard cut
+        ("First line here\nsecond line goes on", 24, "First line here"),
+        ("abcdefghij klmnop", 8, "abcdefgh"),
+    ],
+)
+def test_passages_are_cut_at_a_line_or_sentence_end(text, limit, expected):
+    assert datagen._cut(text, limit) == expected

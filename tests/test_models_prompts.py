@@ -18,6 +18,7 @@ def _shingles(text: str) -> set[tuple[str, ...]]:
 def _training_texts() -> list[str]:
     texts = [p.text for shard in range(40) for p in prompts.seed_prompts(0, shard, 56, 8)]
     texts += list(prompts.FOLLOWUPS) + list(prompts.META_TEMPLATES)
+    texts += [t.format(text="") for t in prompts.PASSAGE_TASKS]
     texts += [t for group in prompts.TEMPLATES.values() for t in group]
     return texts
 
@@ -76,3 +77,14 @@ def test_seed_prompts_are_deterministic_and_varied():
 )
 def test_clean_instruction(answer, expected):
     assert clean_instruction(answer) == expected
+
+
+def test_a_passage_prompt_holds_the_whole_passage_once():
+    import random
+
+    passage = "Bees carry pollen between flowers.\nThey live in colonies."
+    a = prompts.passage_prompt(random.Random(0), passage + "\n")
+    assert a == prompts.passage_prompt(random.Random(0), passage)
+    assert a.kind == "passage" and len(a.messages) == 1 and a.text.count(passage) == 1
+    tasks = {prompts.passage_prompt(random.Random(i), passage).text for i in range(200)}
+    assert len(tasks) == len(prompts.PASSAGE_TASKS)

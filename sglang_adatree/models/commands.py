@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--prompts-per-shard", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--num-passage", type=int, default=8, help="passage prompts per shard (0: none)")
     p.add_argument("--worker", default="0/1", help="'w/n': this process's share of shards")
 
     p = sub.add_parser("train", help="train a draft on generated data")
@@ -103,6 +104,7 @@ def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
             prompts_per_shard=args.prompts_per_shard,
             batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
+            num_passage=args.num_passage,
         )
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     manifest = run_datagen(

@@ -22,7 +22,7 @@ Resumable: shard ``k`` is written to a temporary file and renamed, then recorded
 ``shard-k.info.json`` (written atomically, last); a restarted run skips every recorded shard.
 ``manifest.json`` holds the settings, and a run with other settings refuses the folder. Prompts of
 shard ``k`` are a pure function of the seed, ``k`` and already written shards (self-instructed
-prompts and follow-ups are harvested from shard ``k - 2``), so a resumed run produces the
+prompts, follow-ups and passages are harvested from shard ``k - 2``), so a resumed run produces the
 same data as an uninterrupted one.
 """
 
@@ -45,10 +45,13 @@ from sglang_adatree.models.prompts import (
     clean_instruction,
     followup_prompt,
     load_eval_prompts,
+    passage_prompt,
     seed_prompts,
 )
 
 MANIFEST = "manifest.json"
+# Passage prompts: answers of at least this many characters, cut to at most the second.
+PASSAGE_CHARS = (200, 1600)
 # Tokens per teacher-forced micro-batch (padding included): bounds the pass's memory.
 TF_TOKENS_PER_BATCH = 4096
 
@@ -62,6 +65,7 @@ class DatagenConfig:
     prompts_per_shard: int = 64
     num_meta: int = 8
     num_followup: int = 6
+    num_passage: int = 8  # 0 in data sets made before passages existed (train..train-c)
     batch_size: int = 32
     max_new_tokens: int = 320
     meta_max_new_tokens: int = 64
@@ -69,6 +73,9 @@ class DatagenConfig:
     eval_set: str | None = None  # mtbench | gsm8k | humaneval: a held-out set instead
     eval_limit: int | None = None
 
+
+# The value of each later-added setting that data sets made before it were generated with.
+LEGACY_DEFAULTS: dict[str, object] = {"num_passage": 0}
 
 # Held-out sets: all 80 MT-bench first turns, the first 40 GSM8K and HumanEval problems.
 EVAL_LIMITS: dict[str, int | None] = {"mtbench": None, "gsm8k": 40, "humaneval": 40}
@@ -81,6 +88,7 @@ def eval_config(eval_set: str, limit: int | None = None) -> DatagenConfig:
         prompts_per_shard=40,
         batch_size=20,
         max_new_tokens=256,
+        num_passage=0,
         dtype="float32",
         eval_set=eval_set,
         eval_limit=limit if limit is not None else EVAL_LIMITS[eval_set],
@@ -150,8 +158,22 @@ def _prompts_for_shard(cfg: DatagenConfig, index: int, out_dir: Path) -> list[Pr
         answered = [r for r in rows if r["kind"] in ("templated", "self") and r["finished"]]
         for row in rng.sample(answered, min(cfg.num_followup, len(answered))):
             harvested.append(followup_prompt(rng, row["messages"][-1][1], row["answer"]))
+        # Own stream: adding passages left the follow-ups of a seed as they were.
+        rng = random.Random(f"{cfg.seed}:passage:{index}")
+        texts = [r["answer"] for r in answered if PASSAGE_CHARS[0] <= len(r["answer"])]
+        for text in rng.sample(texts, min(cfg.num_passage, len(texts))):
+            harvested.append(passage_prompt(rng, _cut(text, PASSAGE_CHARS[1])))
     num_templated = max(0, cfg.prompts_per_shard - cfg.num_meta - len(harvested))
     return seed_prompts(cfg.seed, index, num_templated, cfg.num_meta) + harvested
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, at a line or sentence end where one is."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = max(head.rfind("\n"), head.rfind(". ") + 1)
+    return head[:end] if end > limit // 2 else head
 
 
 class TargetRunner:
@@ -290,7 +312,8 @@ def run_datagen(
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / MANIFEST
     if config_path.is_file():
-        stored = json.loads(config_path.read_text())["config"]
+        # Settings added later take the value that reproduces data sets made before them.
+        stored = {**LEGACY_DEFAULTS, **json.loads(config_path.read_text())["config"]}
         if stored != asdict(cfg):
             raise ValueError(
                 f"{out_dir} holds data made with other settings {stored}; "

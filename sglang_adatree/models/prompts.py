@@ -7,6 +7,9 @@ and realistic: the kind of request a chat model gets. Three kinds, all determini
 * ``meta``: asks the target to *write* a request about a topic; its answer, cleaned, becomes a
   ``self`` prompt later (the target writes instructions as well as it answers them).
 * ``followup``: a second turn ("now shorter", "give an example") after one of its own answers.
+* ``passage``: one turn that hands the target one of its own earlier answers as a text to
+  work on (summarise, extract, rewrite, quiz): long inputs whose answers copy from the prompt,
+  which the short templated prompts never teach (MT-bench's extraction category is of that kind).
 
 MT-bench, GSM8K and HumanEval are evaluation sets: nothing here draws from them, and
 ``tests/test_models_prompts.py`` checks that no training template shares a phrase with them.
@@ -175,12 +178,30 @@ FOLLOWUPS = (
     "Now write it in a more formal tone.",
 )
 
+# Tasks over a passage (one of the target's own answers); ``{text}`` is the passage.
+PASSAGE_TASKS = (
+    "Summarize the following text in two sentences.\n\n{text}",
+    "List the key facts from the text below as bullet points.\n\n{text}",
+    "Extract every name, place and number that appears in this text:\n\n{text}",
+    "Rewrite the following text so that a ten-year-old can understand it.\n\n{text}",
+    "Write three quiz questions, with their answers, based on this text:\n\n{text}",
+    "What is the main idea of the following text? Answer in one sentence.\n\n{text}",
+    "Turn the key points of this text into a JSON object.\n\n{text}",
+    "Give this text a title and a one-line summary.\n\n{text}",
+    "Rewrite the text below in a formal, academic tone.\n\n{text}",
+    "Point out anything in the following text that might be inaccurate or unclear.\n\n{text}",
+    "Text:\n{text}\n\nWhich three words or phrases best describe the text above? Explain.",
+    "Text:\n{text}\n\nShorten the text above to at most fifty words.",
+    "Here is a draft:\n\n{text}\n\nSuggest three concrete ways to improve it.",
+    "Read this:\n\n{text}\n\nNow continue it with one more paragraph in the same style.",
+)
+
 
 @dataclass(frozen=True)
 class Prompt:
     """One chat request: its messages (user/assistant turns, user last) and its kind."""
 
-    kind: str  # templated | meta | self | followup | <eval set name>
+    kind: str  # templated | meta | self | followup | passage | <eval set name>
     messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
 
     @property
@@ -289,6 +310,11 @@ def followup_prompt(rng: random.Random, question: str, answer: str) -> Prompt:
         "followup",
         (("user", question), ("assistant", answer), ("user", rng.choice(FOLLOWUPS))),
     )
+
+
+def passage_prompt(rng: random.Random, passage: str) -> Prompt:
+    """One turn asking the target to work on ``passage`` (one of its own answers)."""
+    return Prompt("passage", (("user", rng.choice(PASSAGE_TASKS).format(text=passage.strip())),))
 
 
 def _package_file(package: str, *parts: str) -> Path:
