@@ -45,7 +45,10 @@ from sglang_adatree.xgb_cost import ArtifactError, XGBoostStepTime
 
 logger = logging.getLogger(__name__)
 
-# Analytic refits need measurements of more than one shape to separate the terms.
+# Analytic refits need measurements of more than one shape to separate the terms. The first
+# comes after MIN_REFIT_ROWS measured steps: until then every shape is priced by the default
+# model (a GPU's costs on a CPU: trees predicted at 46-70 ms measured 124-272), and each
+# shape must be measured itself to be corrected; later ones every REFIT_EVERY_ROWS.
 MIN_REFIT_ROWS = 64
 REFIT_EVERY_ROWS = 128
 HISTORY_ROWS = 4096
@@ -322,10 +325,11 @@ class AdaTreeRuntime:
         """The analytic model refitted on this server's measured steps, when there are new ones."""
         rows = list(self._history)
         new = self._measured_total - self._last_refit_rows
+        every = REFIT_EVERY_ROWS if self._last_refit_rows else MIN_REFIT_ROWS
         if (
             len(rows) < MIN_REFIT_ROWS
             or len({m.shape for m in rows}) < 2
-            or (not force and new < REFIT_EVERY_ROWS)
+            or (not force and new < every)
         ):
             return None
         self._last_refit_rows = self._measured_total

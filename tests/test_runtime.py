@@ -146,6 +146,25 @@ def test_a_refit_keeps_the_corrections_the_measurements_imply(tmp_path):
     assert all(refit.residual.measured(s) == 80 for s in runtime.candidate_shapes)
 
 
+def test_the_first_refit_comes_early_and_later_ones_every_refit_interval(tmp_path):
+    from sglang_adatree.runtime import MIN_REFIT_ROWS, REFIT_EVERY_ROWS
+
+    config = _config(tmp_path, record_steps=False)
+    runtime = AdaTreeRuntime(config, None, control=False)
+    refits = []
+    for i in range(1, MIN_REFIT_ROWS + 2 * REFIT_EVERY_ROWS + 1):
+        shape = runtime.candidate_shapes[i % len(runtime.candidate_shapes)]
+        decision, features = runtime.decide([50 + i % 7])
+        decision = type(decision)(shape, "explore", 1.0, 1.0)
+        runtime.complete_step(decision, features, 40.0 + 10.0 * shape.num_draft_tokens, [0])
+        if runtime._refit(force=False) is not None:
+            refits.append(i)
+    # The default model prices a CPU's steps with a GPU's costs: refit as soon as the fit is
+    # determined, then at the steady interval.
+    first = MIN_REFIT_ROWS
+    assert refits == [first, first + REFIT_EVERY_ROWS, first + 2 * REFIT_EVERY_ROWS]
+
+
 def test_accepted_counts():
     stats = AcceptedPathStats(
         torch.tensor([[2, 2, 0], [2, 0, 0]]), torch.tensor([[0, 1, -1], [-1, -1, -1]])
