@@ -10,7 +10,7 @@ from models_tiny import TINY_HEAD, make_tiny_target
 from safetensors.torch import load_file
 
 from sglang_adatree.models import eagle, standalone
-from sglang_adatree.models.card import _datagen_commands, _training_commands
+from sglang_adatree.models.card import _datagen_commands, _passages, _training_commands
 from sglang_adatree.models.data import SequenceSet, make_batch
 from sglang_adatree.models.datagen import DatagenConfig, run_datagen
 from sglang_adatree.models.paths import ModelPaths
@@ -163,9 +163,9 @@ def tiny_home(tmp_path_factory):
     torch.set_num_threads(1)
     paths = ModelPaths(tmp_path_factory.mktemp("home"))
     make_tiny_target(paths.target_dir)
-    for name, seed in (("a", 0), ("b", 1)):
+    for name, seed, passages in (("a", 0, 0), ("b", 1, 2)):
         cfg = DatagenConfig(name=name, seed=seed, prompts_per_shard=6, num_meta=1,
-                            num_followup=1, batch_size=3, max_new_tokens=12,
+                            num_followup=1, num_passage=passages, batch_size=3, max_new_tokens=12,
                             meta_max_new_tokens=4, dtype="float32")  # fmt: skip
         run_datagen(paths.target_dir, paths.datagen_dir(name), cfg, max_shards=2, log=print)
     return paths
@@ -192,9 +192,11 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     ]
     assert _datagen_commands(both["data"]) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 3 "
-        "--max-new-tokens 12 --worker w/2` and `adatree models --threads 1 datagen --name b "
-        "--seed 1 --batch-size 3 --max-new-tokens 12 --worker w/2` (w = 0, 1)"
+        "--max-new-tokens 12 --num-passage 0 --worker w/2` and `adatree models --threads 1 "
+        "datagen --name b --seed 1 --batch-size 3 --max-new-tokens 12 --num-passage 2 "
+        "--worker w/2` (w = 0, 1)"
     )
+    assert "summarise" in _passages(both["data"]) and not _passages(one["data"])
     assert both["data"]["sequences"] > one["data"]["sequences"] > 0
     assert both["init"] == earlier and one["init"] is None
     # One step at a vanishing learning rate: the weights are still the given ones.

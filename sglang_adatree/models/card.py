@@ -87,10 +87,21 @@ def _datagen_commands(data: dict) -> str:
         return ""
     calls = [
         f"`adatree models --threads 1 datagen --name {s['name']} --seed {s['seed']} "
-        f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} --worker w/2`"
+        f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
+        f"--num-passage {s.get('num_passage', 0)} --worker w/2`"
         for s in sets
     ]
     return ", by " + " and ".join(calls) + " (w = 0, 1)"
+
+
+def _passages(data: dict) -> str:
+    """The data's passage prompts in words, if any of its sets has them."""
+    if not any(s.get("num_passage", 0) for s in data.get("sets") or ()):
+        return ""
+    return (
+        "; in the sets made with `--num-passage`, also its own earlier answers handed back as a "
+        "text to summarise, extract from, rewrite or quiz on"
+    )
 
 
 def _runs(training: dict) -> list[dict]:
@@ -158,7 +169,8 @@ def render(
         f"{sum(len(t) for t in prompts.TOPICS.values())} topics (explain, write, advise, "
         "role-play, compare), arithmetic word problems, small reasoning puzzles, code tasks in "
         f"{len(set(prompts.CODE_LANGUAGES))} languages and extraction, requests the target "
-        "wrote itself when asked for one, and follow-up turns after its own answers. "
+        "wrote itself when asked for one, and follow-up turns after its own answers"
+        f"{_passages(training['data'])}. "
         "Answers: the target's greedy continuations (bf16 weights, at most "
         f"{training['data']['max_new_tokens']} tokens), with its hidden states and greedy labels "
         "from a teacher-forced pass. MT-bench, GSM8K and HumanEval are never trained on: they "

@@ -39,7 +39,7 @@ from sglang_adatree.models.data import (
     make_batch,
     split_validation,
 )
-from sglang_adatree.models.datagen import read_manifest
+from sglang_adatree.models.datagen import LEGACY_DEFAULTS, read_manifest
 from sglang_adatree.models.paths import EAGLE_NAME, STANDALONE_NAME, ModelPaths, shipped_weights
 
 CHECKPOINT_EVERY_S = 600.0
@@ -357,7 +357,10 @@ def train(
             "hours": round(sum(s["seconds"] for s in shards) / 3600, 2),
             "max_new_tokens": max(c["max_new_tokens"] for c in data_cfgs),
             "sets": [
-                {k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")}
+                {
+                    **{k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")},
+                    "num_passage": c.get("num_passage", LEGACY_DEFAULTS["num_passage"]),
+                }
                 for c in data_cfgs
             ],
         },
