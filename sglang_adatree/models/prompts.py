@@ -1,7 +1,7 @@
 """Training prompts (templated, self-instructed, follow-ups) and the held-out evaluation sets.
 
 The drafts learn from the target's own greedy answers, so the prompts only need to be diverse
-and realistic: the kind of request a chat model gets. Three kinds, all deterministic in a seed:
+and realistic: the kind of request a chat model gets. Four kinds, all deterministic in a seed:
 
 * ``templated``: an instruction template of one category filled with a topic of that category.
 * ``meta``: asks the target to *write* a request about a topic; its answer, cleaned, becomes a
