@@ -243,7 +243,7 @@ class OnlineCostModel:
         A model that replaces another (a refit, a trained policy version) then starts with the
         per-shape corrections the measurements imply instead of none: otherwise every shape the
         step-time model gets wrong is chosen again on the same error until it has run for a while,
-        after every refit (the runtime refits every 128 measured steps).
+        after every refit (the runtime refits after 64 measured steps, then every 128).
         """
         if not (len(x) == len(shapes) == len(measured_ms)):
             raise ValueError("replay needs one shape and one time per feature row")
