@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sglang_adatree.models import prompts
 from sglang_adatree.models.breakeven import PassTimes, ShapeGain
+from sglang_adatree.models.datagen import LEGACY_DEFAULTS
 from sglang_adatree.models.evaluate import Agreement
 
 HEADLINE_SET = "eval-mtbench"
@@ -88,7 +89,7 @@ def _datagen_commands(data: dict) -> str:
     calls = [
         f"`adatree models --threads 1 datagen --name {s['name']} --seed {s['seed']} "
         f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
-        f"--num-passage {s.get('num_passage', 0)} --worker w/2`"
+        f"--num-passage {s.get('num_passage', LEGACY_DEFAULTS['num_passage'])} --worker w/2`"
         for s in sets
     ]
     return ", by " + " and ".join(calls) + " (w = 0, 1)"
@@ -96,7 +97,9 @@ def _datagen_commands(data: dict) -> str:
 
 def _passages(data: dict) -> str:
     """The data's passage prompts in words, if any of its sets has them."""
-    if not any(s.get("num_passage", 0) for s in data.get("sets") or ()):
+    # A summary written before passage prompts existed reads as a data set made without them.
+    legacy = LEGACY_DEFAULTS["num_passage"]
+    if not any(s.get("num_passage", legacy) for s in data.get("sets") or ()):
         return ""
     return (
         "; in the sets made with `--num-passage`, also its own earlier answers handed back as a "
