@@ -38,6 +38,7 @@ def test_labels_are_greedy_and_hidden_is_after_the_final_norm(tiny_target, tmp_p
 
     manifest = _run(tiny_target, tmp_path, max_shards=1)
     shard = load_shard(tmp_path, manifest["shards"][0])
+    assert manifest["shards"][0]["device"] == "cpu"
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     first = slice(int(shard.offsets[0]), int(shard.offsets[1]))
     with torch.no_grad():
@@ -122,3 +123,13 @@ def test_a_data_set_made_before_passages_still_resumes(tiny_target, tmp_path):
 )
 def test_passages_are_cut_at_a_line_or_sentence_end(text, limit, expected):
     assert datagen._cut(text, limit) == expected
+
+
+def test_a_device_torch_cannot_use_is_refused_before_any_work(tmp_path, monkeypatch):
+    from sglang_adatree import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, message in (("cuda", "no CUDA device"), ("gpu7", "--device gpu7")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(["models", "--home", str(tmp_path), "--device", device, "datagen"])
+    assert not (tmp_path / "datagen").exists()

@@ -112,6 +112,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def test_a_batch_moves_whole_to_another_device():
+    data, _ = _copy_task_data(3, 5, seed=1)
+    batch = make_batch(data, [0, 2]).to(torch.device("meta"))
+    fields = (batch.tokens, batch.target_ids, batch.hidden, batch.lengths, batch.prompt_lens)
+    assert all(t.device.type == "meta" for t in fields)
+    # Masks built from positions follow the batch, so a task never mixes devices.
+    assert batch.positions().device.type == "meta" and batch.positions().shape == (2, 5)
+    assert batch.predicts_answer(2).device.type == "meta"
+
+
 def test_eagle_task_learns_a_rule(one_thread):
     torch.manual_seed(0)
     data, embed = _copy_task_data(8, 16, seed=3)
@@ -199,6 +209,7 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     assert "summarise" in _passages(both["data"]) and not _passages(one["data"])
     assert both["data"]["sequences"] > one["data"]["sequences"] > 0
     assert both["init"] == earlier and one["init"] is None
+    assert one["device"] == both["device"] == "cpu"
     # One step at a vanishing learning rate: the weights are still the given ones.
     trained = torch.load(tiny_home.train_dir("eagle") / "last.pt", weights_only=False)["model"]
     shipped = load_file(tmp_path / "run-1" / "model.safetensors")

@@ -17,6 +17,11 @@ DRAFTS = ("eagle", "standalone")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of datagen and train: cpu (default), or cuda where a GPU is",
+    )
     sub = parser.add_subparsers(dest="models_command", metavar="ACTION", required=True)
 
     p = sub.add_parser("prepare", help="build the target HF folder and assemble the drafts")
@@ -66,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.device != "cpu" and args.models_command in ("datagen", "train"):
+        _check_device(args.device)
     paths = ModelPaths(load_config(home=args.home).home_dir)
     if args.models_command == "prepare":
         from sglang_adatree.models.prepare import prepare_all
@@ -92,6 +99,16 @@ def run(args: argparse.Namespace) -> int:
     raise AssertionError(args.models_command)
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device torch cannot use before any model is loaded."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise SystemExit(f"--device {device}: {err}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: torch sees no CUDA device on this machine")
+
+
 def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
     from sglang_adatree.models.datagen import DatagenConfig, eval_config, run_datagen
 
@@ -116,6 +133,7 @@ def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
         max_shards=args.max_shards,
         worker=int(args.worker.split("/")[0]),
         num_workers=int(args.worker.split("/")[1]),
+        device=args.device,
     )
     shards = manifest["shards"]
     summary = {

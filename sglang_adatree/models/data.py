@@ -112,9 +112,17 @@ class Batch:
     lengths: torch.Tensor  # [B] int64
     prompt_lens: torch.Tensor  # [B] int64
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (batches are cut on the CPU, trained on anywhere)."""
+        return Batch(
+            *(t.to(device, non_blocking=True) for t in (self.tokens, self.target_ids, self.hidden)),
+            self.lengths.to(device),
+            self.prompt_lens.to(device),
+        )
+
     def positions(self) -> torch.Tensor:
         batch, length = self.tokens.shape
-        return torch.arange(length).expand(batch, length)
+        return torch.arange(length, device=self.tokens.device).expand(batch, length)
 
     def predicts_answer(self, offset: int) -> torch.Tensor:
         """[B, L] bool: position ``i`` predicts token ``i + offset``, an answer token after P

@@ -106,6 +106,7 @@ class ShardInfo:
     num_response_tokens: int
     seconds: float
     generate_match: float  # share of answer tokens the teacher-forced pass also picks greedily
+    device: str = "cpu"  # where the target ran (info files written before this read as cpu)
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,16 @@ def _cut(text: str, limit: int) -> str:
 class TargetRunner:
     """The target in transformers: batched greedy generation and the teacher-forced pass."""
 
-    def __init__(self, target_dir: Path, dtype: str) -> None:
+    def __init__(self, target_dir: Path, dtype: str, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            target_dir, dtype=getattr(torch, dtype)
-        ).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+            .to(self.device)
+            .eval()
+        )
         self.eos_id: int = self.tokenizer.eos_token_id  # <|im_end|>: ends a ChatML turn
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -203,8 +207,8 @@ class TargetRunner:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=self.eos_id,
@@ -238,11 +242,13 @@ class TargetRunner:
             for row, i in enumerate(group):  # right padding keeps positions 0..len-1
                 ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
                 mask[row, : len(seqs[i])] = 1
-            h = self.model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            h = self.model.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+            ).last_hidden_state
             for row, i in enumerate(group):  # one row at a time: [len, vocab] logits only
                 n = len(seqs[i])
-                hidden[i] = h[row, :n].to(torch.float16)
-                greedy[i] = self.model.lm_head(h[row, :n]).argmax(-1).to(torch.int32)
+                hidden[i] = h[row, :n].to(torch.float16).cpu()
+                greedy[i] = self.model.lm_head(h[row, :n]).argmax(-1).to(torch.int32).cpu()
             start = stop
         return hidden, greedy  # type: ignore[return-value]
 
@@ -301,12 +307,14 @@ def run_datagen(
     worker: int = 0,
     num_workers: int = 1,
     log: Callable[[str], None] = print,
+    device: str = "cpu",
 ) -> dict:
     """Generate shards until a budget is reached or the prompt source ends; resumable.
 
     ``num_workers`` processes (1 or 2) may share one data set, worker ``w`` taking the shard
     indices ``k`` with ``k % num_workers == w``; shard ``k`` harvests prompts from shard
-    ``k - 2``, which is then always its own worker's earlier shard.
+    ``k - 2``, which is then always its own worker's earlier shard. ``device`` is where the
+    target runs (``cuda`` on a GPU); each shard's info records it.
     """
     assert num_workers in (1, 2) and 0 <= worker < num_workers, (worker, num_workers)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +329,7 @@ def run_datagen(
             )
     else:
         _write_json_atomic(config_path, {"config": asdict(cfg)})
-    runner = TargetRunner(target_dir, cfg.dtype)
+    runner = TargetRunner(target_dir, cfg.dtype, device)
     start = time.perf_counter()
 
     def response_tokens() -> int:
@@ -359,6 +367,7 @@ def run_datagen(
             num_response,
             round(time.perf_counter() - t0, 1),
             round(match, 4),
+            runner.device.type,
         )
         # Written last: a shard counts as done only once its info file exists.
         _write_json_atomic(out_dir / f"{name}.info.json", asdict(info))

@@ -109,7 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Llama (NeoX-style, half-split) rotary embedding. x: [B, heads, L, D], positions: [B, L]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim
+    inv_freq = 1.0 / (theta**exponents)
     angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, L, D/2]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
@@ -183,7 +184,7 @@ class EagleHead(nn.Module):
         steps, batch, length = step_tokens.shape
         assert hidden.shape[:2] == (batch, length), (hidden.shape, step_tokens.shape)
         assert positions.shape == (batch, length) and key_valid.shape == (batch, length)
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
         base_mask = causal[None, None] & key_valid[:, None, None, :]  # [B, 1, L, L]
         outputs = []
         layer_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]

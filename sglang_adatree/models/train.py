@@ -43,6 +43,7 @@ from sglang_adatree.models.datagen import LEGACY_DEFAULTS, read_manifest
 from sglang_adatree.models.paths import EAGLE_NAME, STANDALONE_NAME, ModelPaths, shipped_weights
 
 CHECKPOINT_EVERY_S = 600.0
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,20 @@ def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
 class EagleTask:
     """Loss and agreement of the EAGLE head on one batch."""
 
-    def __init__(self, cfg: TrainConfig, target_state: dict, hot_ids: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        target_state: dict,
+        hot_ids: torch.Tensor,
+        device: torch.device = CPU,
+    ) -> None:
         self.cfg = cfg
-        self.embed = target_state[standalone.EMBED_KEY]  # [vocab, H], frozen
+        self.embed = target_state[standalone.EMBED_KEY].to(device)  # [vocab, H], frozen
         self.hot_ids = hot_ids  # [V_hot]
-        self.w_hot = self.embed[hot_ids]  # [V_hot, H]: lm_head rows SGLang keeps
-        self.hot_index = torch.full((self.embed.shape[0],), -1, dtype=torch.long)
-        self.hot_index[hot_ids] = torch.arange(hot_ids.numel())
+        self.w_hot = self.embed[hot_ids.to(device)]  # [V_hot, H]: lm_head rows SGLang keeps
+        hot_index = torch.full((self.embed.shape[0],), -1, dtype=torch.long)
+        hot_index[hot_ids] = torch.arange(hot_ids.numel())
+        self.hot_index = hot_index.to(device)  # [vocab]
 
     def __call__(self, head: eagle.EagleHead, batch: Batch, train: bool) -> Losses:
         cfg = self.cfg
@@ -164,9 +172,9 @@ class EagleTask:
         pos = batch.positions()
         labelled = (pos >= batch.prompt_lens[:, None]) & (pos <= (batch.lengths - 2)[:, None])
         row = torch.full_like(pos, -1)
-        row[labelled] = torch.arange(int(labelled.sum()))
+        row[labelled] = torch.arange(int(labelled.sum()), device=pos.device)
         probs, index = _teacher_top(hidden[labelled] @ self.w_hot.T, cfg.teacher_top_k)
-        total = torch.zeros(())
+        total = torch.zeros((), device=hidden.device)
         agreement, counts = [], []
         for s in range(1, cfg.steps + 1):
             mask = batch.predicts_answer(s + 1)  # position i predicts token i + s + 1
@@ -186,9 +194,9 @@ class EagleTask:
 class StandaloneTask:
     """Loss and agreement of the standalone draft on one batch (full vocabulary)."""
 
-    def __init__(self, cfg: TrainConfig, target_state: dict) -> None:
+    def __init__(self, cfg: TrainConfig, target_state: dict, device: torch.device = CPU) -> None:
         self.cfg = cfg
-        self.embed = target_state[standalone.EMBED_KEY]  # [vocab, H], tied lm_head
+        self.embed = target_state[standalone.EMBED_KEY].to(device)  # [vocab, H], tied lm_head
 
     def __call__(self, model: torch.nn.Module, batch: Batch, train: bool) -> Losses:
         valid = batch.positions() < batch.lengths[:, None]
@@ -212,14 +220,20 @@ def _lr(cfg: TrainConfig, step: int, total_steps: int) -> float:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, task, data: SequenceSet, tokens_per_batch: int) -> list[float]:
+def validate(
+    model: torch.nn.Module,
+    task,
+    data: SequenceSet,
+    tokens_per_batch: int,
+    device: torch.device = CPU,
+) -> list[float]:
     """Top-1 agreement per draft step over a whole data set (teacher-forced)."""
     model.eval()
     hits: list[float] = []
     counts: list[int] = []
     for seqs in batches(data, tokens_per_batch, seed=None):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            res = task(model, make_batch(data, seqs), train=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            res = task(model, make_batch(data, seqs).to(device), train=False)
         if not hits:
             hits, counts = [0.0] * len(res.counts), [0] * len(res.counts)
         for s, (a, c) in enumerate(zip(res.agreement, res.counts, strict=True)):
@@ -253,8 +267,14 @@ def train(
     paths: ModelPaths,
     time_budget_s: float,
     max_answer_tokens: int | None = None,
+    device: str = "cpu",
 ) -> dict:
-    """Train one draft; return a summary. Resumes from ``<home>/train/<draft>/last.pt``."""
+    """Train one draft; return a summary. Resumes from ``<home>/train/<draft>/last.pt``.
+
+    ``device`` is where the draft and each batch live (``cuda`` on a GPU); the data stays in
+    CPU memory and batches are cut there. A run may resume on another device than it began.
+    """
+    dev = torch.device(device)
     torch.manual_seed(cfg.seed)
     out_dir = paths.train_dir(cfg.draft)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,14 +290,15 @@ def train(
         model = eagle.EagleHead(eagle.HeadConfig.from_target(target_config))
         if cfg.init_layer is not None:
             model.init_from_target(target_state, cfg.init_layer)
-        task = EagleTask(cfg, target_state, hot_ids)
+        task = EagleTask(cfg, target_state, hot_ids, dev)
     else:
         hot_ids = None
         model = standalone.build_draft(paths.target_dir, cfg.source_layers)
-        task = StandaloneTask(cfg, target_state)
+        task = StandaloneTask(cfg, target_state, dev)
     init = None
     if cfg.init_from:
         init = _init_weights(model, cfg.draft, Path(cfg.init_from), paths.target_dir)
+    model.to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     per_epoch = sum(1 for _ in batches(train_set, cfg.tokens_per_batch, seed=None))
@@ -285,7 +306,7 @@ def train(
     state = {"step": 0, "elapsed": 0.0, "best": -1.0, "history": []}
     last = out_dir / "last.pt"
     if last.is_file():
-        ckpt = torch.load(last, weights_only=False)
+        ckpt = torch.load(last, weights_only=False, map_location=dev)
         if ckpt["config"] == asdict(cfg):
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
@@ -315,8 +336,8 @@ def train(
         for seqs in order[state["step"] % per_epoch :]:
             for group in opt.param_groups:
                 group["lr"] = _lr(cfg, state["step"], total_steps)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                res = task(model, make_batch(train_set, seqs), train=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                res = task(model, make_batch(train_set, seqs).to(dev), train=True)
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -325,7 +346,7 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss.item():.3f}", top1=f"{res.agreement[0]:.3f}")
             if state["step"] % cfg.val_every == 0 or state["step"] == total_steps:
-                val = validate(model, task, val_set, cfg.tokens_per_batch)
+                val = validate(model, task, val_set, cfg.tokens_per_batch, dev)
                 state["history"].append(
                     {
                         "step": state["step"],
@@ -365,6 +386,7 @@ def train(
             ],
         },
         "init": init,
+        "device": dev.type,
         "steps": state["step"],
         "train_seconds": round(state["elapsed"]),
         "train_answer_tokens": train_set.num_answer_tokens,
@@ -377,7 +399,7 @@ def train(
 
 def export_best(paths: ModelPaths, draft: str, summary: dict) -> Path:
     """Write the shipped weights folder from ``best.pt`` (and the training summary)."""
-    ckpt = torch.load(paths.train_dir(draft) / "best.pt", weights_only=False)
+    ckpt = torch.load(paths.train_dir(draft) / "best.pt", weights_only=False, map_location="cpu")
     cfg = config_from_dict(ckpt["config"])
     target_config = json.loads((paths.target_dir / "config.json").read_text())
     if draft == "eagle":
@@ -418,7 +440,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def train_command(args: argparse.Namespace, paths: ModelPaths) -> int:
     cfg = config_from_args(args)
-    summary = train(cfg, paths, args.time_budget_min * 60, args.tokens)
+    summary = train(cfg, paths, args.time_budget_min * 60, args.tokens, args.device)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     if args.export:
         print(f"exported to {export_best(paths, args.draft, summary)}")
