@@ -210,6 +210,7 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     assert both["data"]["sequences"] > one["data"]["sequences"] > 0
     assert both["init"] == earlier and one["init"] is None
     assert one["device"] == both["device"] == "cpu"
+    assert [d["devices"] for d in both["data"]["sets"]] == [["cpu"], ["cpu"]]
     # One step at a vanishing learning rate: the weights are still the given ones.
     trained = torch.load(tiny_home.train_dir("eagle") / "last.pt", weights_only=False)["model"]
     shipped = load_file(tmp_path / "run-1" / "model.safetensors")

@@ -369,6 +369,8 @@ def train(
     manifests = [read_manifest(paths.datagen_dir(n)) for n in data_names]
     shards = [s for m in manifests for s in m["shards"]]
     data_cfgs = [m["config"] for m in manifests]
+    # Where each set's target ran (shard infos written before devices were recorded: the CPU).
+    devices = [sorted({s.get("device", "cpu") for s in m["shards"]}) for m in manifests]
     return {
         "draft": cfg.draft,
         "data": {
@@ -381,8 +383,9 @@ def train(
                 {
                     **{k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")},
                     "num_passage": c.get("num_passage", LEGACY_DEFAULTS["num_passage"]),
+                    "devices": d,
                 }
-                for c in data_cfgs
+                for c, d in zip(data_cfgs, devices, strict=True)
             ],
         },
         "init": init,
