@@ -239,6 +239,32 @@ def test_the_card_names_every_run_of_a_lineage():
     assert alone.startswith("Command: `adatree models train eagle") and "--init-from" not in alone
 
 
+def test_the_card_says_where_each_run_and_data_set_ran():
+    from sglang_adatree.models.card import _generated_on, _training_time
+
+    cpu = {"config": dataclasses_dict(TrainConfig(draft="eagle")), "steps": 100,
+           "train_seconds": 3000, "best_val_top1": 0.5, "init": None}  # fmt: skip
+    gpu = {"config": dataclasses_dict(TrainConfig(draft="eagle", init_from="/x")), "steps": 900,
+           "train_seconds": 120, "best_val_top1": 0.7, "init": cpu, "device": "cuda"}  # fmt: skip
+    text = _training_commands("eagle", gpu)
+    assert "run 1: `adatree models train eagle" in text
+    assert "run 2: `adatree models --device cuda train eagle" in text
+    assert _training_time([cpu, gpu]) == "50 min on the CPU and 2 min on a GPU (`--device cuda`)"
+    made = {"batch_size": 64, "max_new_tokens": 256, "num_passage": 12}
+    data = {"sets": [{"name": "a", "seed": 0, **made},
+                     {"name": "g-0", "seed": 10, **made, "devices": ["cuda"]},
+                     {"name": "g-1", "seed": 11, **made, "devices": ["cuda"]}]}  # fmt: skip
+    # Sets alike but for name and seed share one command; an old set without devices is cpu.
+    assert _datagen_commands(data) == (
+        ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 64 "
+        "--max-new-tokens 256 --num-passage 12 --worker w/2` and `adatree models --threads 1 "
+        "--device cuda datagen --name NAME --seed SEED --batch-size 64 --max-new-tokens 256 "
+        "--num-passage 12 --worker w/2` for each NAME/SEED of g-0/10, g-1/11 (w = 0, 1)"
+    )
+    assert "a GPU (`--device cuda`)" in _generated_on(data)
+    assert "2 CPU cores" in _generated_on({"sets": data["sets"][:1]})
+
+
 def dataclasses_dict(cfg: TrainConfig) -> dict:
     import dataclasses
 

@@ -66,7 +66,9 @@ def _gain_table(gains: list[ShapeGain]) -> list[str]:
     return lines
 
 
-def train_command_line(draft: str, cfg: dict, init_label: str | None = None) -> str:
+def train_command_line(
+    draft: str, cfg: dict, init_label: str | None = None, device: str = "cpu"
+) -> str:
     """The ``adatree models train`` call that reproduces a training config."""
     flags = f"--epochs {cfg['epochs']:g} --lr {cfg['lr']:g} --warmup-steps {cfg['warmup_steps']}"
     flags += f" --tokens-per-batch {cfg['tokens_per_batch']} --val-every {cfg['val_every']}"
@@ -78,7 +80,8 @@ def train_command_line(draft: str, cfg: dict, init_label: str | None = None) -> 
         flags += " --data " + " ".join(data)
     if cfg.get("init_from"):
         flags += f" --init-from {init_label or cfg['init_from']}"
-    return f"adatree models train {draft} {flags} --export"
+    where = "" if device == "cpu" else f"--device {device} "
+    return f"adatree models {where}train {draft} {flags} --export"
 
 
 def _datagen_commands(data: dict) -> str:
@@ -86,13 +89,56 @@ def _datagen_commands(data: dict) -> str:
     sets = data.get("sets")
     if not sets:
         return ""
-    calls = [
-        f"`adatree models --threads 1 datagen --name {s['name']} --seed {s['seed']} "
-        f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
-        f"--num-passage {s.get('num_passage', LEGACY_DEFAULTS['num_passage'])} --worker w/2`"
-        for s in sets
-    ]
+    # Sets made alike but for name and seed share one command line.
+    groups: dict[str, list[dict]] = {}
+    for s in sets:
+        where = "".join(f"--device {d} " for d in _devices(s) if d != "cpu")
+        line = (
+            f"adatree models --threads 1 {where}datagen --name {{name}} --seed {{seed}} "
+            f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
+            f"--num-passage {s.get('num_passage', LEGACY_DEFAULTS['num_passage'])} --worker w/2"
+        )
+        groups.setdefault(line, []).append(s)
+    calls = []
+    for line, members in groups.items():
+        if len(members) == 1:
+            calls.append(f"`{line.format(name=members[0]['name'], seed=members[0]['seed'])}`")
+        else:
+            each = ", ".join(f"{m['name']}/{m['seed']}" for m in members)
+            calls.append(f"`{line.format(name='NAME', seed='SEED')}` for each NAME/SEED of {each}")
     return ", by " + " and ".join(calls) + " (w = 0, 1)"
+
+
+def _devices(data_set: dict) -> list[str]:
+    """Where a data set's target ran (summaries written before devices were recorded: cpu)."""
+    return data_set.get("devices") or ["cpu"]
+
+
+DEVICE_WORDS = {"cpu": "the CPU", "cuda": "a GPU (`--device cuda`)"}
+
+
+def _where(device: str) -> str:
+    return DEVICE_WORDS.get(device, f"`--device {device}`")
+
+
+def _generated_on(data: dict) -> str:
+    """How the data's generation ran, in words."""
+    devices = sorted({d for s in data.get("sets") or () for d in _devices(s)} or {"cpu"})
+    if devices == ["cpu"]:
+        return "datagen processes of one thread each, up to two at once on 2 CPU cores"
+    return (
+        "datagen processes of one CPU thread each, two per data set, the target on "
+        + " and ".join(_where(d) for d in devices)
+    )
+
+
+def _training_time(runs: list[dict]) -> str:
+    """Minutes of training per device over a lineage, in words."""
+    minutes: dict[str, float] = {}
+    for run in runs:
+        device = run.get("device", "cpu")
+        minutes[device] = minutes.get(device, 0.0) + run["train_seconds"] / 60
+    return " and ".join(f"{m:.0f} min on {_where(d)}" for d, m in minutes.items())
 
 
 def _passages(data: dict) -> str:
@@ -119,13 +165,16 @@ def _training_commands(draft: str, training: dict) -> str:
     """How to repeat the runs that made the weights."""
     runs = _runs(training)
     if len(runs) == 1:
-        return f"Command: `{train_command_line(draft, training['config'])}`"
+        line = train_command_line(draft, training["config"], None, training.get("device", "cpu"))
+        return f"Command: `{line}`"
     parts = []
     for i, run in enumerate(runs, 1):
         label = f"<run {i - 1} weights>" if i > 1 else None
+        line = train_command_line(draft, run["config"], label, run.get("device", "cpu"))
         parts.append(
-            f"run {i}: `{train_command_line(draft, run['config'], label)}` ({run['steps']} steps, "
-            f"{run['train_seconds'] / 60:.0f} min, best validation {run['best_val_top1']:.3f})"
+            f"run {i}: `{line}`"
+            f" ({run['steps']} steps, {run['train_seconds'] / 60:.0f} min, "
+            f"best validation {run['best_val_top1']:.3f})"
         )
     return (
         f"Trained in {len(runs)} runs, each starting from the exported weights of the one "
@@ -183,14 +232,11 @@ def render(
         f"{training['train_answer_tokens']} answer tokens for training and "
         f"{training['val_answer_tokens']} for validation (held-out conversations); "
         f"generated in {training['data']['hours']:.1f} h, the sum of the shards' own times "
-        "(datagen processes of one thread each, up to two at once on 2 CPU cores)"
-        + _datagen_commands(training["data"])
-        + ".",
+        f"({_generated_on(training['data'])})" + _datagen_commands(training["data"]) + ".",
         "",
         "## Training",
         "",
-        f"{sum(r['steps'] for r in runs)} optimizer steps in "
-        f"{sum(r['train_seconds'] for r in runs) / 60:.0f} min on the CPU "
+        f"{sum(r['steps'] for r in runs)} optimizer steps in {_training_time(runs)} "
         f"(bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
         f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
         "distribution"
