@@ -263,6 +263,13 @@ def test_the_card_says_where_each_run_and_data_set_ran():
     )
     assert "a GPU (`--device cuda`)" in _generated_on(data)
     assert "2 CPU cores" in _generated_on({"sets": data["sets"][:1]})
+    # A set only an earlier run of the lineage trained on is still named, with its command.
+    from sglang_adatree.models.card import _earlier_data
+
+    gpu["data"], cpu["data"] = {"sets": data["sets"][:1]}, {"sets": data["sets"]}
+    (para, _) = _earlier_data([cpu, gpu])
+    assert "2 other data set(s)" in para and "g-0/10, g-1/11" in para
+    assert "--name a " not in para and _earlier_data([gpu]) == []
 
 
 def dataclasses_dict(cfg: TrainConfig) -> dict:

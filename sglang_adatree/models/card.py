@@ -132,6 +132,24 @@ def _generated_on(data: dict) -> str:
     )
 
 
+def _earlier_data(runs: list[dict]) -> list[str]:
+    """A paragraph on the data sets only earlier runs of a lineage trained on (if any)."""
+    latest = {s["name"] for s in runs[-1]["data"].get("sets") or ()}
+    earlier: dict[str, dict] = {}
+    for run in runs[:-1]:
+        for s in run.get("data", {}).get("sets") or ():
+            if s["name"] not in latest:
+                earlier.setdefault(s["name"], s)
+    if not earlier:
+        return []
+    sets = list(earlier.values())
+    return [
+        f"Earlier runs of the lineage (below) also trained on {len(sets)} other data set(s) "
+        f"({_generated_on({'sets': sets})})" + _datagen_commands({"sets": sets}) + ".",
+        "",
+    ]
+
+
 def _training_time(runs: list[dict]) -> str:
     """Minutes of training per device over a lineage, in words."""
     minutes: dict[str, float] = {}
@@ -234,6 +252,7 @@ def render(
         f"generated in {training['data']['hours']:.1f} h, the sum of the shards' own times "
         f"({_generated_on(training['data'])})" + _datagen_commands(training["data"]) + ".",
         "",
+        *_earlier_data(runs),
         "## Training",
         "",
         f"{sum(r['steps'] for r in runs)} optimizer steps in {_training_time(runs)} "
