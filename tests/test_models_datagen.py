@@ -7,7 +7,7 @@ import torch
 from models_tiny import make_tiny_target
 from safetensors.torch import load_file
 
-from sglang_adatree.models import datagen
+from sglang_adatree.models import datagen, prompts
 from sglang_adatree.models.datagen import DatagenConfig, load_shard, read_manifest, run_datagen
 
 CFG = DatagenConfig(
@@ -16,6 +16,8 @@ CFG = DatagenConfig(
     num_meta=1,
     num_followup=1,
     num_passage=1,
+    num_detailed_meta=1,
+    num_real=1,
     batch_size=2,
     max_new_tokens=6,
     meta_max_new_tokens=4,
@@ -70,6 +72,12 @@ def test_resume_after_a_stop_gives_the_same_data(tiny_target, tmp_path, monkeypa
         a, b = load_file(whole / f"{name}.safetensors"), load_file(split / f"{name}.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert (whole / f"{name}.json").read_text() == (split / f"{name}.json").read_text()
+    # Every shard: both meta kinds (the templates' and a detailed one) and a real question.
+    first_rows = json.loads((whole / "shard-00000.json").read_text())
+    metas = [r["messages"][0][1] for r in first_rows if r["kind"] == "meta"]
+    assert len(metas) == 2 and any(m in _detailed_meta_texts() for m in metas)
+    real = [r["messages"][0][1] for r in first_rows if r["kind"] == "real"]
+    assert len(real) == 1 and real[0] in prompts.load_real_questions()
     # Shard 2 harvested shard 0: a follow-up on one of its answers, and a passage task on one.
     rows = json.loads((whole / "shard-00002.json").read_text())
     kinds = [row["kind"] for row in rows]
@@ -77,6 +85,15 @@ def test_resume_after_a_stop_gives_the_same_data(tiny_target, tmp_path, monkeypa
     earlier = [r["answer"] for r in json.loads((whole / "shard-00000.json").read_text())]
     passage = next(r for r in rows if r["kind"] == "passage")["messages"][0][1]
     assert any(a.strip() and a.strip() in passage for a in earlier)
+
+
+def _detailed_meta_texts() -> set[str]:
+    return {
+        t.format(subject=subject)
+        for kind, templates in prompts.DETAILED_META.items()
+        for t in templates
+        for subject in prompts.SUBJECTS.get(kind, prompts._SETTINGS)
+    }
 
 
 def test_two_workers_split_the_shards(tiny_target, tmp_path):
@@ -98,13 +115,14 @@ def test_token_budget_stops_generation(tiny_target, tmp_path):
     assert len(manifest["shards"]) == 1
 
 
-def test_a_data_set_made_before_passages_still_resumes(tiny_target, tmp_path):
+def test_a_data_set_made_before_later_prompt_kinds_still_resumes(tiny_target, tmp_path):
     _run(tiny_target, tmp_path, max_shards=1)
     path = tmp_path / "manifest.json"
     legacy = json.loads(path.read_text())
-    del legacy["config"]["num_passage"]
+    for key in ("num_passage", "num_detailed_meta", "num_real"):
+        del legacy["config"][key]
     path.write_text(json.dumps(legacy))
-    old = DatagenConfig(**{**CFG.__dict__, "num_passage": 0})
+    old = DatagenConfig(**{**CFG.__dict__, "num_passage": 0, "num_detailed_meta": 0, "num_real": 0})
     manifest = run_datagen(tiny_target, tmp_path, old, max_shards=2, log=lambda _: None)
     assert len(manifest["shards"]) == 2
     with pytest.raises(ValueError, match="other settings"):
@@ -132,4 +150,13 @@ def test_a_device_torch_cannot_use_is_refused_before_any_work(tmp_path, monkeypa
     for device, message in (("cuda", "no CUDA device"), ("gpu7", "--device gpu7")):
         with pytest.raises(SystemExit, match=message):
             cli.main(["models", "--home", str(tmp_path), "--device", device, "datagen"])
+    assert not (tmp_path / "datagen").exists()
+
+
+def test_a_negative_prompt_count_is_refused_before_any_work(tmp_path):
+    from sglang_adatree import cli
+
+    for flag in ("--num-passage", "--num-detailed-meta", "--num-real"):
+        with pytest.raises(SystemExit, match=f"{flag} must be 0 or more"):
+            cli.main(["models", "--home", str(tmp_path), "datagen", flag, "-1"])
     assert not (tmp_path / "datagen").exists()

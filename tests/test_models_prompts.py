@@ -10,13 +10,13 @@ from sglang_adatree.models.prompts import EVAL_SETS, clean_instruction, load_eva
 SHINGLE = 6  # words
 
 
-def _shingles(text: str) -> set[tuple[str, ...]]:
+def _shingles(text: str, size: int = SHINGLE) -> set[tuple[str, ...]]:
     words = re.findall(r"[a-z0-9']+", text.lower())
-    return {tuple(words[i : i + SHINGLE]) for i in range(len(words) - SHINGLE + 1)}
+    return {tuple(words[i : i + size]) for i in range(len(words) - size + 1)}
 
 
 def _training_texts() -> list[str]:
-    texts = [p.text for shard in range(40) for p in prompts.seed_prompts(0, shard, 56, 8)]
+    texts = [p.text for shard in range(40) for p in prompts.seed_prompts(0, shard, 48, 8, 8)]
     texts += list(prompts.FOLLOWUPS) + list(prompts.META_TEMPLATES)
     texts += [t.format(text="") for t in prompts.PASSAGE_TASKS]
     texts += [t for group in prompts.TEMPLATES.values() for t in group]
@@ -29,6 +29,18 @@ def test_no_training_prompt_shares_a_phrase_with_the_evaluation_sets():
         for p in load_eval_prompts(name):
             held_out |= _shingles(p.text)
     shared = {s for text in _training_texts() for s in _shingles(text)} & held_out
+    assert not shared, sorted(shared)[:5]
+
+
+def test_no_real_question_is_a_near_copy_of_an_evaluation_prompt():
+    # Other people's questions share common 6-word phrases with the held-out sets ("what is
+    # the area of the", "1 2 3 4 5 6"); a copied or paraphrased item would share a long span.
+    size = 10
+    held_out = set()
+    for name in EVAL_SETS:
+        for p in load_eval_prompts(name):
+            held_out |= _shingles(p.text, size)
+    shared = {s for q in prompts.load_real_questions() for s in _shingles(q, size)} & held_out
     assert not shared, sorted(shared)[:5]
 
 
@@ -49,6 +61,30 @@ def test_seed_prompts_are_deterministic_and_varied():
     texts = [p.text for shard in range(20) for p in prompts.seed_prompts(0, shard, 56, 0)]
     assert len(set(texts)) > 0.8 * len(texts)
     assert any(t.startswith("Write a Python function") for t in texts)
+
+
+def test_detailed_meta_prompts_leave_a_seed_s_other_prompts_as_they_were():
+    before = prompts.seed_prompts(0, 3, 40, 8)
+    after = prompts.seed_prompts(0, 3, 40, 8, 8)
+    assert after[: len(before)] == before and len(after) == len(before) + 8
+    detailed = [p.text for p in after[len(before) :]]
+    assert all(p.kind == "meta" and "Only write the" in p.text for p in after[len(before) :])
+    assert all("{" not in t for t in detailed) and len(set(detailed)) > 4
+    assert detailed != [p.text for p in prompts.seed_prompts(1, 3, 40, 8, 8)[len(before) :]]
+
+
+def test_real_questions_come_from_the_packages_and_repeat_only_after_the_whole_pool():
+    pool = prompts.load_real_questions()
+    assert len(pool) == 198 + 30 and len(set(pool)) == len(pool)
+    assert any(q.startswith("Answer the following multiple choice question") for q in pool)
+    assert any("Show your reasoning step by step." in q for q in pool)
+    per_shard = 4
+    shards = -(-len(pool) // per_shard)  # enough shards to use every question once
+    seen = [p.text for k in range(shards) for p in prompts.real_prompts(7, k, per_shard)]
+    assert set(seen) == set(pool) and len(seen) - len(pool) < per_shard
+    assert all(p.kind == "real" for p in prompts.real_prompts(7, 0, per_shard))
+    assert prompts.real_prompts(7, 0, per_shard) != prompts.real_prompts(8, 0, per_shard)
+    assert prompts.real_prompts(7, 0, 0) == []
 
 
 @pytest.mark.parametrize(

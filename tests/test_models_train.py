@@ -10,7 +10,7 @@ from models_tiny import TINY_HEAD, make_tiny_target
 from safetensors.torch import load_file
 
 from sglang_adatree.models import eagle, standalone
-from sglang_adatree.models.card import _datagen_commands, _passages, _training_commands
+from sglang_adatree.models.card import _datagen_commands, _later_kinds, _training_commands
 from sglang_adatree.models.data import SequenceSet, make_batch
 from sglang_adatree.models.datagen import DatagenConfig, run_datagen
 from sglang_adatree.models.paths import ModelPaths
@@ -173,9 +173,10 @@ def tiny_home(tmp_path_factory):
     torch.set_num_threads(1)
     paths = ModelPaths(tmp_path_factory.mktemp("home"))
     make_tiny_target(paths.target_dir)
-    for name, seed, passages in (("a", 0, 0), ("b", 1, 2)):
+    for name, seed, later in (("a", 0, 0), ("b", 1, 2)):  # later: passage, detailed, real
         cfg = DatagenConfig(name=name, seed=seed, prompts_per_shard=6, num_meta=1,
-                            num_followup=1, num_passage=passages, batch_size=3, max_new_tokens=12,
+                            num_followup=1, num_passage=later, num_detailed_meta=later,
+                            num_real=later, batch_size=3, max_new_tokens=12,
                             meta_max_new_tokens=4, dtype="float32")  # fmt: skip
         run_datagen(paths.target_dir, paths.datagen_dir(name), cfg, max_shards=2, log=print)
     return paths
@@ -202,11 +203,14 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     ]
     assert _datagen_commands(both["data"]) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 3 "
-        "--max-new-tokens 12 --num-passage 0 --worker w/2` and `adatree models --threads 1 "
-        "datagen --name b --seed 1 --batch-size 3 --max-new-tokens 12 --num-passage 2 "
-        "--worker w/2` (w = 0, 1)"
+        "--max-new-tokens 12 --num-passage 0 --num-detailed-meta 0 --num-real 0 --worker w/2` "
+        "and `adatree models --threads 1 datagen --name b --seed 1 --batch-size 3 "
+        "--max-new-tokens 12 --num-passage 2 --num-detailed-meta 2 --num-real 2 --worker w/2` "
+        "(w = 0, 1)"
     )
-    assert "summarise" in _passages(both["data"]) and not _passages(one["data"])
+    kinds = _later_kinds(both["data"])
+    assert "summarise" in kinds and "coding task" in kinds and "GPQA Diamond" in kinds
+    assert not _later_kinds(one["data"])
     assert both["data"]["sequences"] > one["data"]["sequences"] > 0
     assert both["init"] == earlier and one["init"] is None
     assert one["device"] == both["device"] == "cpu"
@@ -250,16 +254,18 @@ def test_the_card_says_where_each_run_and_data_set_ran():
     assert "run 1: `adatree models train eagle" in text
     assert "run 2: `adatree models --device cuda train eagle" in text
     assert _training_time([cpu, gpu]) == "50 min on the CPU and 2 min on a GPU (`--device cuda`)"
-    made = {"batch_size": 64, "max_new_tokens": 256, "num_passage": 12}
+    made = {"batch_size": 64, "max_new_tokens": 256, "num_passage": 12}  # before detailed/real
     data = {"sets": [{"name": "a", "seed": 0, **made},
                      {"name": "g-0", "seed": 10, **made, "devices": ["cuda"]},
                      {"name": "g-1", "seed": 11, **made, "devices": ["cuda"]}]}  # fmt: skip
     # Sets alike but for name and seed share one command; an old set without devices is cpu.
     assert _datagen_commands(data) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 64 "
-        "--max-new-tokens 256 --num-passage 12 --worker w/2` and `adatree models --threads 1 "
+        "--max-new-tokens 256 --num-passage 12 --num-detailed-meta 0 --num-real 0 --worker w/2` "
+        "and `adatree models --threads 1 "
         "--device cuda datagen --name NAME --seed SEED --batch-size 64 --max-new-tokens 256 "
-        "--num-passage 12 --worker w/2` for each NAME/SEED of g-0/10, g-1/11 (w = 0, 1)"
+        "--num-passage 12 --num-detailed-meta 0 --num-real 0 --worker w/2` for each NAME/SEED "
+        "of g-0/10, g-1/11 (w = 0, 1)"
     )
     assert "a GPU (`--device cuda`)" in _generated_on(data)
     assert "2 CPU cores" in _generated_on({"sets": data["sets"][:1]})

@@ -96,7 +96,9 @@ def _datagen_commands(data: dict) -> str:
         line = (
             f"adatree models --threads 1 {where}datagen --name {{name}} --seed {{seed}} "
             f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
-            f"--num-passage {s.get('num_passage', LEGACY_DEFAULTS['num_passage'])} --worker w/2"
+            f"--num-passage {_setting(s, 'num_passage')} "
+            f"--num-detailed-meta {_setting(s, 'num_detailed_meta')} "
+            f"--num-real {_setting(s, 'num_real')} --worker w/2"
         )
         groups.setdefault(line, []).append(s)
     calls = []
@@ -159,16 +161,33 @@ def _training_time(runs: list[dict]) -> str:
     return " and ".join(f"{m:.0f} min on {_where(d)}" for d, m in minutes.items())
 
 
-def _passages(data: dict) -> str:
-    """The data's passage prompts in words, if any of its sets has them."""
-    # A summary written before passage prompts existed reads as a data set made without them.
-    legacy = LEGACY_DEFAULTS["num_passage"]
-    if not any(s.get("num_passage", legacy) for s in data.get("sets") or ()):
-        return ""
-    return (
-        "; in the sets made with `--num-passage`, also its own earlier answers handed back as a "
-        "text to summarise, extract from, rewrite or quiz on"
-    )
+def _setting(data_set: dict, key: str) -> object:
+    """A data set's datagen setting; a summary written before the setting existed reads as a
+    set made without it."""
+    return data_set.get(key, LEGACY_DEFAULTS[key])
+
+
+def _later_kinds(data: dict) -> str:
+    """The prompt kinds added after the first data sets, in words, for the sets that have them."""
+    sets = data.get("sets") or ()
+    words = []
+    if any(_setting(s, "num_passage") for s in sets):
+        words.append(
+            "in the sets made with `--num-passage`, also its own earlier answers handed back as "
+            "a text to summarise, extract from, rewrite or quiz on"
+        )
+    if any(_setting(s, "num_detailed_meta") for s in sets):
+        words.append(
+            "in those made with `--num-detailed-meta`, requests it wrote when asked for a "
+            "specific coding task, science or humanities question or writing task on "
+            f"{sum(len(t) for t in prompts.SUBJECTS.values())} more advanced subjects"
+        )
+    if any(_setting(s, "num_real") for s in sets):
+        words.append(
+            f"in those made with `--num-real`, the {len(prompts.load_real_questions())} "
+            "questions of GPQA Diamond and AIME 2025 (benchmarks this project never evaluates on)"
+        )
+    return "".join(f"; {w}" for w in words)
 
 
 def _runs(training: dict) -> list[dict]:
@@ -240,7 +259,7 @@ def render(
         "role-play, compare), arithmetic word problems, small reasoning puzzles, code tasks in "
         f"{len(set(prompts.CODE_LANGUAGES))} languages and extraction, requests the target "
         "wrote itself when asked for one, and follow-up turns after its own answers"
-        f"{_passages(training['data'])}. "
+        f"{_later_kinds(training['data'])}. "
         "Answers: the target's greedy continuations (bf16 weights, at most "
         f"{training['data']['max_new_tokens']} tokens), with its hidden states and greedy labels "
         "from a teacher-forced pass. MT-bench, GSM8K and HumanEval are never trained on: they "

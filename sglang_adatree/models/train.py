@@ -382,7 +382,7 @@ def train(
             "sets": [
                 {
                     **{k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")},
-                    "num_passage": c.get("num_passage", LEGACY_DEFAULTS["num_passage"]),
+                    **{k: c.get(k, LEGACY_DEFAULTS[k]) for k in LEGACY_DEFAULTS},
                     "devices": d,
                 }
                 for c, d in zip(data_cfgs, devices, strict=True)
