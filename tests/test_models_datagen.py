@@ -160,3 +160,13 @@ def test_a_negative_prompt_count_is_refused_before_any_work(tmp_path):
         with pytest.raises(SystemExit, match=f"{flag} must be 0 or more"):
             cli.main(["models", "--home", str(tmp_path), "datagen", flag, "-1"])
     assert not (tmp_path / "datagen").exists()
+
+
+def test_reproduce_refuses_an_unusable_device_before_preparing_anything(tmp_path, monkeypatch):
+    from sglang_adatree.models.paths import ModelPaths
+    from sglang_adatree.models.reproduce import Budget, reproduce
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        reproduce(ModelPaths(tmp_path), Budget(), device="cuda")
+    assert list(tmp_path.iterdir()) == []

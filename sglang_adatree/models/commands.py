@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.device != "cpu" and args.models_command in ("datagen", "train"):
-        _check_device(args.device)
+        check_device(args.device)
     paths = ModelPaths(load_config(home=args.home).home_dir)
     if args.models_command == "prepare":
         from sglang_adatree.models.prepare import prepare_all
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     raise AssertionError(args.models_command)
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     """Refuse a device torch cannot use before any model is loaded."""
     try:
         dev = torch.device(device)

@@ -31,9 +31,10 @@ def _cli(paths: ModelPaths, *args: str) -> list[str]:
     return [sys.executable, "-m", "sglang_adatree.cli", "models", "--home", str(paths.home), *args]
 
 
-def generate_training_data(paths: ModelPaths, budget: Budget) -> None:
+def generate_training_data(paths: ModelPaths, budget: Budget, device: str = "cpu") -> None:
     """``budget.workers`` single-thread datagen processes, sharing one data set."""
-    common = ["--threads", "1", "datagen", "--name", "train", "--tokens", str(budget.tokens)]
+    common = ["--threads", "1", "--device", device, "datagen", "--name", "train"]
+    common += ["--tokens", str(budget.tokens)]
     common += ["--time-budget-min", str(budget.datagen_hours * 60)]
     procs = [
         subprocess.Popen(_cli(paths, *common, "--worker", f"{w}/{budget.workers}"))
@@ -44,21 +45,26 @@ def generate_training_data(paths: ModelPaths, budget: Budget) -> None:
         raise RuntimeError(f"datagen workers exited with {codes}")
 
 
-def reproduce(paths: ModelPaths, budget: Budget) -> None:
+def reproduce(paths: ModelPaths, budget: Budget, device: str = "cpu") -> None:
+    """Every stage in order; ``device`` (``cuda`` where a GPU is) runs datagen and training,
+    the held-out sets (fp32), the evaluation and the cards' timings stay on the CPU."""
+    from sglang_adatree.models.commands import check_device
     from sglang_adatree.models.datagen import eval_config, run_datagen
     from sglang_adatree.models.prepare import prepare_all
     from sglang_adatree.models.train import TrainConfig, export_best, train
 
+    if device != "cpu":
+        check_device(device)
     for line in prepare_all(paths):
         print(line)
-    generate_training_data(paths, budget)
+    generate_training_data(paths, budget, device)
     for eval_set in EVAL_SETS:
         cfg = eval_config(eval_set)
         run_datagen(paths.target_dir, paths.datagen_dir(cfg.name), cfg)
     minutes = {"eagle": budget.eagle_minutes, "standalone": budget.standalone_minutes}
     for draft, limit in minutes.items():
         cfg = TrainConfig(draft=draft, epochs=budget.epochs)
-        summary = train(cfg, paths, limit * 60)
+        summary = train(cfg, paths, limit * 60, device=device)
         print(f"exported {export_best(paths, draft, summary)}")
     for line in prepare_all(paths):
         print(line)
@@ -76,3 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle-minutes", type=float, default=defaults.eagle_minutes)
     parser.add_argument("--standalone-minutes", type=float, default=defaults.standalone_minutes)
     parser.add_argument("--epochs", type=float, default=defaults.epochs)
+    parser.add_argument(
+        "--device", default="cpu", help="torch device of datagen and training (cpu, or cuda)"
+    )
