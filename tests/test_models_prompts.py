@@ -75,7 +75,8 @@ def test_detailed_meta_prompts_leave_a_seed_s_other_prompts_as_they_were():
 
 def test_real_questions_come_from_the_packages_and_repeat_only_after_the_whole_pool():
     pool = prompts.load_real_questions()
-    assert len(pool) == 198 + 30 and len(set(pool)) == len(pool)
+    assert len(pool) == 226 and len(set(pool)) == len(pool)  # of 198 + 30: 2 too long
+    assert max(len(q) for q in pool) <= prompts.REAL_MAX_CHARS
     assert any(q.startswith("Answer the following multiple choice question") for q in pool)
     assert any("Show your reasoning step by step." in q for q in pool)
     per_shard = 4

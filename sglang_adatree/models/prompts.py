@@ -428,11 +428,17 @@ def _package_file(package: str, *parts: str) -> Path:
 EVAL_SETS = ("mtbench", "gsm8k", "humaneval")
 
 
+# Longest real question kept, in characters: one GPQA question (a long molecule, ~3k tokens)
+# would pad a whole batch of 64 prompts to its length and stall a shard for an hour.
+REAL_MAX_CHARS = 2000
+
+
 def load_real_questions() -> tuple[str, ...]:
     """Questions from packaged benchmarks that are *not* evaluation sets here, in file order:
-    GPQA Diamond's 198 (their answer-free request bodies, choices included) and AIME 2025's 30.
+    GPQA Diamond's (their answer-free request bodies, choices included) and AIME 2025's, each
+    of at most ``REAL_MAX_CHARS`` characters (226 of 228).
     """
-    return _real_questions()
+    return tuple(q for q in _real_questions() if len(q) <= REAL_MAX_CHARS)
 
 
 @functools.cache
