@@ -203,10 +203,10 @@ def test_a_run_reads_every_data_set_and_starts_from_given_weights(tiny_home, tmp
     ]
     assert _datagen_commands(both["data"]) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 3 "
-        "--max-new-tokens 12 --num-passage 0 --num-detailed-meta 0 --num-real 0 --worker w/2` "
-        "and `adatree models --threads 1 datagen --name b --seed 1 --batch-size 3 "
-        "--max-new-tokens 12 --num-passage 2 --num-detailed-meta 2 --num-real 2 --worker w/2` "
-        "(w = 0, 1)"
+        "--max-new-tokens 12 --num-passage 0 --num-detailed-meta 0 --num-real 0 --dtype float32 "
+        "--worker w/2` and `adatree models --threads 1 datagen --name b --seed 1 --batch-size 3 "
+        "--max-new-tokens 12 --num-passage 2 --num-detailed-meta 2 --num-real 2 --dtype float32 "
+        "--worker w/2` (w = 0, 1)"
     )
     kinds = _later_kinds(both["data"])
     assert "summarise" in kinds and "coding task" in kinds and "GPQA Diamond" in kinds
@@ -244,7 +244,7 @@ def test_the_card_names_every_run_of_a_lineage():
 
 
 def test_the_card_says_where_each_run_and_data_set_ran():
-    from sglang_adatree.models.card import _generated_on, _training_time
+    from sglang_adatree.models.card import _generated_on, _precisions, _training_time
 
     cpu = {"config": dataclasses_dict(TrainConfig(draft="eagle")), "steps": 100,
            "train_seconds": 3000, "best_val_top1": 0.5, "init": None}  # fmt: skip
@@ -269,6 +269,11 @@ def test_the_card_says_where_each_run_and_data_set_ran():
     )
     assert "a GPU (`--device cuda`)" in _generated_on(data)
     assert "2 CPU cores" in _generated_on({"sets": data["sets"][:1]})
+    # A set made in fp32 says so in its command and in the card's words; older ones are bf16.
+    fp32 = {"name": "f", "seed": 5, **made, "dtype": "float32"}
+    assert "--num-real 0 --dtype float32 --worker w/2" in _datagen_commands({"sets": [fp32]})
+    assert _precisions({"sets": [fp32, data["sets"][0]]}) == "bf16 or fp32"
+    assert _precisions(data) == "bf16"
     # A set only an earlier run of the lineage trained on is still named, with its command.
     from sglang_adatree.models.card import _earlier_data
 

@@ -98,7 +98,7 @@ def _datagen_commands(data: dict) -> str:
             f"--batch-size {s['batch_size']} --max-new-tokens {s['max_new_tokens']} "
             f"--num-passage {_setting(s, 'num_passage')} "
             f"--num-detailed-meta {_setting(s, 'num_detailed_meta')} "
-            f"--num-real {_setting(s, 'num_real')} --worker w/2"
+            f"--num-real {_setting(s, 'num_real')}{_dtype_flag(s)} --worker w/2"
         )
         groups.setdefault(line, []).append(s)
     calls = []
@@ -109,6 +109,19 @@ def _datagen_commands(data: dict) -> str:
             each = ", ".join(f"{m['name']}/{m['seed']}" for m in members)
             calls.append(f"`{line.format(name='NAME', seed='SEED')}` for each NAME/SEED of {each}")
     return ", by " + " and ".join(calls) + " (w = 0, 1)"
+
+
+def _dtype_flag(data_set: dict) -> str:
+    """``--dtype`` where a set was not made at the default bf16 (older summaries: bf16)."""
+    dtype = data_set.get("dtype", "bfloat16")
+    return "" if dtype == "bfloat16" else f" --dtype {dtype}"
+
+
+def _precisions(data: dict) -> str:
+    """The target's weights' precision over the data sets, in words."""
+    names = {"bfloat16": "bf16", "float32": "fp32"}
+    found = sorted({names.get(s.get("dtype", "bfloat16"), "?") for s in data.get("sets") or ()})
+    return " or ".join(found or ["bf16"])
 
 
 def _devices(data_set: dict) -> list[str]:
@@ -260,7 +273,8 @@ def render(
         f"{len(set(prompts.CODE_LANGUAGES))} languages and extraction, requests the target "
         "wrote itself when asked for one, and follow-up turns after its own answers"
         f"{_later_kinds(training['data'])}. "
-        "Answers: the target's greedy continuations (bf16 weights, at most "
+        f"Answers: the target's greedy continuations ({_precisions(training['data'])} "
+        "weights, at most "
         f"{training['data']['max_new_tokens']} tokens), with its hidden states and greedy labels "
         "from a teacher-forced pass. MT-bench, GSM8K and HumanEval are never trained on: they "
         "are the held-out sets below (their answers generated in fp32).",

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-real", type=int, default=4, help="GPQA / AIME questions per shard (0: none)"
     )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the target's precision for training sets (default bfloat16; float32 is faster "
+        "on a CPU without bf16 instructions, e.g. AVX2 only)",
+    )
     p.add_argument("--worker", default="0/1", help="'w/n': this process's share of shards")
 
     p = sub.add_parser("train", help="train a draft on generated data")
@@ -138,6 +145,7 @@ def _datagen(args: argparse.Namespace, paths: ModelPaths) -> int:
             num_passage=args.num_passage,
             num_detailed_meta=args.num_detailed_meta,
             num_real=args.num_real,
+            dtype=args.dtype,
         )
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     manifest = run_datagen(

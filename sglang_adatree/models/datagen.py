@@ -12,8 +12,9 @@ the target over the finished sequence:
 Answers are generated greedily in batches with left padding and a KV cache. Evaluation sets
 run the target in fp32, its weights' own precision, so their text is the fp32 target's greedy
 continuation, and features and labels are exact. Training sets run it with ``bfloat16``
-weights: on a CPU with AMX that is about 3x faster, and on this 2-core machine data
-volume is what limits the drafts. The price, measured: bf16 hidden states are within 2.3%
+weights by default: on a CPU with AMX that is about 3x faster, and on a 2-core machine data
+volume is what limits the drafts (on an AVX2-only CPU bf16 is emulated: ``dtype`` float32
+there, 5x faster). The price, measured: bf16 hidden states are within 2.3%
 (relative L2) of fp32 ones and the greedy token agrees with fp32's at 98.3% of positions, so a
 draft sees slightly noisier features (EAGLE adds noise of that size on purpose) and about 1.7%
 of labels that the fp32 target would break the other way.

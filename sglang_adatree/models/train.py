@@ -381,7 +381,7 @@ def train(
             "max_new_tokens": max(c["max_new_tokens"] for c in data_cfgs),
             "sets": [
                 {
-                    **{k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens")},
+                    **{k: c[k] for k in ("name", "seed", "batch_size", "max_new_tokens", "dtype")},
                     **{k: c.get(k, LEGACY_DEFAULTS[k]) for k in LEGACY_DEFAULTS},
                     "devices": d,
                 }
