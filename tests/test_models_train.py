@@ -156,8 +156,9 @@ def test_card_training_command_reproduces_the_config(draft):
 
     cfg = TrainConfig(draft=draft, seed=3, epochs=4.5, lr=0.002, warmup_steps=50,
                       tokens_per_batch=2048, steps=2, val_every=25, data=("train", "train-b"),
-                      init_from="/some/run-1")  # fmt: skip
+                      init_from="/some/run-1", dtype="float32")  # fmt: skip
     line = train_command_line(draft, dataclasses.asdict(cfg))
+    assert "--dtype float32" in line
     assert line.startswith(f"adatree models train {draft} ")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -244,7 +245,7 @@ def test_the_card_names_every_run_of_a_lineage():
 
 
 def test_the_card_says_where_each_run_and_data_set_ran():
-    from sglang_adatree.models.card import _generated_on, _precisions, _training_time
+    from sglang_adatree.models.card import _compute, _generated_on, _precisions, _training_time
 
     cpu = {"config": dataclasses_dict(TrainConfig(draft="eagle")), "steps": 100,
            "train_seconds": 3000, "best_val_top1": 0.5, "init": None}  # fmt: skip
@@ -254,6 +255,11 @@ def test_the_card_says_where_each_run_and_data_set_ran():
     assert "run 1: `adatree models train eagle" in text
     assert "run 2: `adatree models --device cuda train eagle" in text
     assert _training_time([cpu, gpu]) == "50 min on the CPU and 2 min on a GPU (`--device cuda`)"
+    fp32 = {**gpu, "config": {**gpu["config"], "dtype": "float32"}, "device": "cpu"}
+    assert _compute([cpu, gpu]) == "bf16 autocast"
+    assert _compute([cpu, fp32]).startswith("bf16 autocast or fp32")
+    del cpu["config"]["dtype"]  # a run before the option: bf16
+    assert _compute([cpu]) == "bf16 autocast"
     made = {"batch_size": 64, "max_new_tokens": 256, "num_passage": 12}  # before detailed/real
     data = {"sets": [{"name": "a", "seed": 0, **made},
                      {"name": "g-0", "seed": 10, **made, "devices": ["cuda"]},

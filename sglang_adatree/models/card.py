@@ -80,6 +80,8 @@ def train_command_line(
         flags += " --data " + " ".join(data)
     if cfg.get("init_from"):
         flags += f" --init-from {init_label or cfg['init_from']}"
+    if cfg.get("dtype", "bfloat16") != "bfloat16":  # runs before the option: bf16
+        flags += f" --dtype {cfg['dtype']}"
     where = "" if device == "cpu" else f"--device {device} "
     return f"adatree models {where}train {draft} {flags} --export"
 
@@ -163,6 +165,13 @@ def _earlier_data(runs: list[dict]) -> list[str]:
         f"({_generated_on({'sets': sets})})" + _datagen_commands({"sets": sets}) + ".",
         "",
     ]
+
+
+def _compute(runs: list[dict]) -> str:
+    """The runs' compute precision in words (runs before the option: bf16 autocast)."""
+    words = {"bfloat16": "bf16 autocast", "float32": "fp32"}
+    found = sorted({words[r["config"].get("dtype", "bfloat16")] for r in runs})
+    return found[0] if len(found) == 1 else " or ".join(found) + "; each run's command says which"
 
 
 def _training_time(runs: list[dict]) -> str:
@@ -289,7 +298,7 @@ def render(
         "## Training",
         "",
         f"{sum(r['steps'] for r in runs)} optimizer steps in {_training_time(runs)} "
-        f"(bf16 autocast), AdamW lr {cfg['lr']} (cosine), batches of about "
+        f"({_compute(runs)}), AdamW lr {cfg['lr']} (cosine), batches of about "
         f"{cfg['tokens_per_batch']} tokens, loss: cross-entropy against the target's "
         "distribution"
         + (

@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained at once")
     p.add_argument("--val-every", type=int, default=200, help="batches between validations")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="compute precision: bf16 autocast (default) or float32, faster on an AVX2-only CPU",
+    )
     p.add_argument("--export", action="store_true", help="write the shipped weights folder")
 
     p = sub.add_parser("evaluate", help="top-k agreement of a draft with the target")
