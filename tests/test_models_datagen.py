@@ -170,3 +170,24 @@ def test_reproduce_refuses_an_unusable_device_before_preparing_anything(tmp_path
     with pytest.raises(SystemExit, match="no CUDA device"):
         reproduce(ModelPaths(tmp_path), Budget(), device="cuda")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gqa_attention_matches_transformers_sdpa_with_padding(tiny_target):
+    """The runner's attention (shared K/V heads read in place) gives transformers' answers."""
+    from transformers import AutoModelForCausalLM
+
+    runner = datagen.TargetRunner(tiny_target, "float32")
+    assert runner.model.config._attn_implementation == datagen.GQA_ATTENTION
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]  # unequal: left padding, a mask
+    answers = runner.generate(prompts, 8)
+    hidden, greedy = runner.teacher_forced([p + a for p, a in zip(prompts, answers, strict=True)])
+    runner.model = AutoModelForCausalLM.from_pretrained(
+        tiny_target, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    assert runner.generate(prompts, 8) == answers
+    ref_hidden, ref_greedy = runner.teacher_forced(
+        [p + a for p, a in zip(prompts, answers, strict=True)]
+    )
+    for h, r in zip(hidden, ref_hidden, strict=True):
+        torch.testing.assert_close(h, r, atol=1e-3, rtol=1e-3)
+    assert all(torch.equal(g, r) for g, r in zip(greedy, ref_greedy, strict=True))

@@ -186,6 +186,40 @@ def _cut(text: str, limit: int) -> str:
     return head[:end] if end > limit // 2 else head
 
 
+# transformers' own SDPA path copies every K/V head 3x (``repeat_kv``, the target has 9 query
+# and 3 KV heads) whenever a mask is passed, which left padding always does; on a 2-core CPU
+# that copy took 63% of a datagen worker's time. SDPA's ``enable_gqa`` reads the shared heads
+# in place (same result: a [64, 9, 1, 64] query over 600 keys differed by 0.0, 14x faster).
+GQA_ATTENTION = "adatree_sdpa_gqa"
+
+
+def _sdpa_gqa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, Lq, D]
+    key: torch.Tensor,  # [B, Hkv, Lk, D]
+    value: torch.Tensor,  # [B, Hkv, Lk, D]
+    attention_mask: torch.Tensor | None,  # [B, 1, Lq, Lk] bool or additive, or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    # No mask: a prefill of unpadded rows over an empty cache (Lq == Lk), so causal is exact.
+    causal = attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None  # [B, Lq, Hq, D]
+
+
+def _register_gqa_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, _sdpa_gqa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, sdpa_mask)
+
+
 class TargetRunner:
     """The target in transformers: batched greedy generation and the teacher-forced pass."""
 
@@ -194,8 +228,11 @@ class TargetRunner:
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        _register_gqa_attention()
         self.model = (
-            AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+            AutoModelForCausalLM.from_pretrained(
+                target_dir, dtype=getattr(torch, dtype), attn_implementation=GQA_ATTENTION
+            )
             .to(self.device)
             .eval()
         )
