@@ -27,7 +27,7 @@ def main() -> None:
         standalone_minutes=args.standalone_minutes,
         epochs=args.epochs,
     )
-    reproduce(ModelPaths(load_config(home=args.home).home_dir), budget, args.device)
+    reproduce(ModelPaths(load_config(home=args.home).home_dir), budget, args.device, args.dtype)
 
 
 if __name__ == "__main__":

@@ -191,3 +191,24 @@ def test_gqa_attention_matches_transformers_sdpa_with_padding(tiny_target):
     for h, r in zip(hidden, ref_hidden, strict=True):
         torch.testing.assert_close(h, r, atol=1e-3, rtol=1e-3)
     assert all(torch.equal(g, r) for g, r in zip(greedy, ref_greedy, strict=True))
+
+
+def test_reproduce_hands_device_and_precision_to_every_datagen_worker(tmp_path, monkeypatch):
+    from sglang_adatree.models import reproduce
+    from sglang_adatree.models.paths import ModelPaths
+
+    commands: list[list[str]] = []
+
+    class Worker:  # stands in for the subprocess only: the commands are what is checked
+        def __init__(self, cmd: list[str]) -> None:
+            commands.append(cmd)
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(reproduce.subprocess, "Popen", Worker)
+    budget = reproduce.Budget(workers=2)
+    reproduce.generate_training_data(ModelPaths(tmp_path), budget, "cuda", "float32")
+    assert [c[c.index("--worker") + 1] for c in commands] == ["0/2", "1/2"]
+    for c in commands:
+        assert c[c.index("--device") + 1] == "cuda" and c[c.index("--dtype") + 1] == "float32"

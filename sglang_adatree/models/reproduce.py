@@ -31,10 +31,12 @@ def _cli(paths: ModelPaths, *args: str) -> list[str]:
     return [sys.executable, "-m", "sglang_adatree.cli", "models", "--home", str(paths.home), *args]
 
 
-def generate_training_data(paths: ModelPaths, budget: Budget, device: str = "cpu") -> None:
+def generate_training_data(
+    paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "bfloat16"
+) -> None:
     """``budget.workers`` single-thread datagen processes, sharing one data set."""
     common = ["--threads", "1", "--device", device, "datagen", "--name", "train"]
-    common += ["--tokens", str(budget.tokens)]
+    common += ["--tokens", str(budget.tokens), "--dtype", dtype]
     common += ["--time-budget-min", str(budget.datagen_hours * 60)]
     procs = [
         subprocess.Popen(_cli(paths, *common, "--worker", f"{w}/{budget.workers}"))
@@ -45,9 +47,13 @@ def generate_training_data(paths: ModelPaths, budget: Budget, device: str = "cpu
         raise RuntimeError(f"datagen workers exited with {codes}")
 
 
-def reproduce(paths: ModelPaths, budget: Budget, device: str = "cpu") -> None:
+def reproduce(
+    paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "bfloat16"
+) -> None:
     """Every stage in order; ``device`` (``cuda`` where a GPU is) runs datagen and training,
-    the held-out sets (fp32), the evaluation and the cards' timings stay on the CPU."""
+    the held-out sets (fp32), the evaluation and the cards' timings stay on the CPU.
+    ``dtype`` is the training data's and the trainings' precision (float32 on a CPU without
+    bf16 instructions)."""
     from sglang_adatree.models.commands import check_device
     from sglang_adatree.models.datagen import eval_config, run_datagen
     from sglang_adatree.models.prepare import prepare_all
@@ -57,13 +63,13 @@ def reproduce(paths: ModelPaths, budget: Budget, device: str = "cpu") -> None:
         check_device(device)
     for line in prepare_all(paths):
         print(line)
-    generate_training_data(paths, budget, device)
+    generate_training_data(paths, budget, device, dtype)
     for eval_set in EVAL_SETS:
         cfg = eval_config(eval_set)
         run_datagen(paths.target_dir, paths.datagen_dir(cfg.name), cfg)
     minutes = {"eagle": budget.eagle_minutes, "standalone": budget.standalone_minutes}
     for draft, limit in minutes.items():
-        cfg = TrainConfig(draft=draft, epochs=budget.epochs)
+        cfg = TrainConfig(draft=draft, epochs=budget.epochs, dtype=dtype)
         summary = train(cfg, paths, limit * 60, device=device)
         print(f"exported {export_best(paths, draft, summary)}")
     for line in prepare_all(paths):
@@ -84,4 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=float, default=defaults.epochs)
     parser.add_argument(
         "--device", default="cpu", help="torch device of datagen and training (cpu, or cuda)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="precision of the training data and the trainings (float32 on an AVX2-only CPU)",
     )

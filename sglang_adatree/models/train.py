@@ -1,4 +1,4 @@
-"""Train either draft on generated data: bf16 autocast on the CPU, time-budgeted, resumable.
+"""Train either draft on generated data: bf16 autocast (or fp32), time-budgeted, resumable.
 
 Both drafts learn the target's *distribution*, not only its greedy token: the loss is the
 cross-entropy against ``softmax(lm_head(f))`` where ``f`` is the target's stored hidden state
