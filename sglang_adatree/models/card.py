@@ -80,8 +80,7 @@ def train_command_line(
         flags += " --data " + " ".join(data)
     if cfg.get("init_from"):
         flags += f" --init-from {init_label or cfg['init_from']}"
-    if cfg.get("dtype", "bfloat16") != "bfloat16":  # runs before the option: bf16
-        flags += f" --dtype {cfg['dtype']}"
+    flags += _dtype_flag(cfg)
     where = "" if device == "cpu" else f"--device {device} "
     return f"adatree models {where}train {draft} {flags} --export"
 
@@ -113,9 +112,10 @@ def _datagen_commands(data: dict) -> str:
     return ", by " + " and ".join(calls) + " (w = 0, 1)"
 
 
-def _dtype_flag(data_set: dict) -> str:
-    """``--dtype`` where a set was not made at the default bf16 (older summaries: bf16)."""
-    dtype = data_set.get("dtype", "bfloat16")
+def _dtype_flag(settings: dict) -> str:
+    """``--dtype`` where a data set or a training run was not at the default bf16 (summaries
+    written before the option: bf16)."""
+    dtype = settings.get("dtype", "bfloat16")
     return "" if dtype == "bfloat16" else f" --dtype {dtype}"
 
 

@@ -12,6 +12,9 @@ from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prompts import EVAL_SETS
 
 DRAFTS = ("eagle", "standalone")
+# Precisions of the target (datagen) and of training: bf16 is the default, fast with AMX or
+# on a GPU; fp32 on a CPU without bf16 instructions.
+DTYPES = ("bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
+        choices=DTYPES,
         default="bfloat16",
         help="the target's precision for training sets (default bfloat16; float32 is faster "
         "on a CPU without bf16 instructions, e.g. AVX2 only)",
@@ -74,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--val-every", type=int, default=200, help="batches between validations")
     p.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
+        choices=DTYPES,
         default="bfloat16",
         help="compute precision: bf16 autocast (default) or float32, faster on an AVX2-only CPU",
     )

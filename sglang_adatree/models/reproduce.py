@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from sglang_adatree.models.commands import DTYPES, check_device
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prompts import EVAL_SETS
 
@@ -54,7 +55,6 @@ def reproduce(
     the held-out sets (fp32), the evaluation and the cards' timings stay on the CPU.
     ``dtype`` is the training data's and the trainings' precision (float32 on a CPU without
     bf16 instructions)."""
-    from sglang_adatree.models.commands import check_device
     from sglang_adatree.models.datagen import eval_config, run_datagen
     from sglang_adatree.models.prepare import prepare_all
     from sglang_adatree.models.train import TrainConfig, export_best, train
@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
+        choices=DTYPES,
         default="bfloat16",
         help="precision of the training data and the trainings (float32 on an AVX2-only CPU)",
     )
