@@ -35,11 +35,12 @@ def test_a_two_run_head_names_both_runs_and_both_data_sets():
     second_cfg = TrainConfig(draft="eagle", data=("train", "train-b"), init_from="/x/run-1")
     second = _run(second_cfg, 700, 3000, 0.6, first)
     results = [Agreement("eval-mtbench", 7000, 0.41, 0.6, (0.41, 0.38), {1: 1.4}, {})]
-    times = PassTimes(256, 1, 5, {1: 40.0, 2: 45.0}, {1: 3.0, 2: 3.5}, {1: 8.0, 2: 9.0})
+    times = PassTimes(256, 1, 5, {1: 40.0, 2: 45.0}, {1: 3.0, 2: 3.5}, {1: 8.0, 2: 9.0}, "AMD EPYC")
     gains = [ShapeGain("chain 1", 1, 1, 2, 1.41, 46.0, 1.22, 1.15)]
     text = render("eagle", "EAGLE head", second, results, times, gains, "adatree models ...",
                   {"num_params": 5.3e6, "file_mb": 8.4, "hot_vocab": 16384})  # fmt: skip
     assert "**top-1 agreement: 0.41**" in text
+    assert "fp32, 1 threads of an AMD EPYC, after a 256-token context" in text
     assert "1156 optimizer steps in 86 min" in text  # both runs
     assert "Trained in 2 runs" in text and "456 steps, 36 min, best validation 0.517" in text
     assert "--data train train-b --init-from <run 1 weights>" in text and "/x/run-1" not in text

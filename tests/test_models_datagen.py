@@ -212,3 +212,21 @@ def test_reproduce_hands_device_and_precision_to_every_datagen_worker(tmp_path, 
     assert [c[c.index("--worker") + 1] for c in commands] == ["0/2", "1/2"]
     for c in commands:
         assert c[c.index("--device") + 1] == "cuda" and c[c.index("--dtype") + 1] == "float32"
+
+
+def test_auto_precision_is_bf16_only_where_bf16_runs_in_hardware(tmp_path):
+    from sglang_adatree.models.hardware import cpu_name, resolve_dtype
+
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n\n")
+    avx2 = tmp_path / "avx2"  # an AMD EPYC of this project's CI: bf16 emulated, 5-7x slower
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\nbugs\t\t: avx512_bf16\n\n")
+    assert resolve_dtype("auto", "cpu", amx) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", avx2) == "float32"  # a flag outside "flags" is no flag
+    assert resolve_dtype("auto", "cpu", tmp_path / "absent") == "float32"
+    assert resolve_dtype("auto", "cuda", avx2) == "bfloat16"
+    assert resolve_dtype("bfloat16", "cpu", avx2) == "bfloat16"  # an explicit choice stands
+    assert resolve_dtype("float32", "cuda", amx) == "float32"
+    named = tmp_path / "named"
+    named.write_text("processor\t: 0\nmodel name\t: AMD EPYC\n\nprocessor\t: 1\nmodel name\t: X\n")
+    assert cpu_name(named) == "AMD EPYC"

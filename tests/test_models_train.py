@@ -264,14 +264,15 @@ def test_the_card_says_where_each_run_and_data_set_ran():
     data = {"sets": [{"name": "a", "seed": 0, **made},
                      {"name": "g-0", "seed": 10, **made, "devices": ["cuda"]},
                      {"name": "g-1", "seed": 11, **made, "devices": ["cuda"]}]}  # fmt: skip
-    # Sets alike but for name and seed share one command; an old set without devices is cpu.
+    # Sets alike but for name and seed share one command; an old set without devices is cpu,
+    # without dtype bf16, spelled out since the default (auto) depends on the machine.
     assert _datagen_commands(data) == (
         ", by `adatree models --threads 1 datagen --name a --seed 0 --batch-size 64 "
-        "--max-new-tokens 256 --num-passage 12 --num-detailed-meta 0 --num-real 0 --worker w/2` "
-        "and `adatree models --threads 1 "
+        "--max-new-tokens 256 --num-passage 12 --num-detailed-meta 0 --num-real 0 "
+        "--dtype bfloat16 --worker w/2` and `adatree models --threads 1 "
         "--device cuda datagen --name NAME --seed SEED --batch-size 64 --max-new-tokens 256 "
-        "--num-passage 12 --num-detailed-meta 0 --num-real 0 --worker w/2` for each NAME/SEED "
-        "of g-0/10, g-1/11 (w = 0, 1)"
+        "--num-passage 12 --num-detailed-meta 0 --num-real 0 --dtype bfloat16 --worker w/2` "
+        "for each NAME/SEED of g-0/10, g-1/11 (w = 0, 1)"
     )
     assert "a GPU (`--device cuda`)" in _generated_on(data)
     assert "2 CPU cores" in _generated_on({"sets": data["sets"][:1]})

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_adatree.models.hardware import cpu_name
+
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 16, 24)
 
 
@@ -37,6 +39,7 @@ class PassTimes:
     target_ms: dict[int, float]
     eagle_ms: dict[int, float]
     standalone_ms: dict[int, float]
+    cpu: str = ""  # the CPU's model name ("" where unknown, and in figures before it was kept)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ def measure_pass_times(
         {n: med[("target", n)] for n in TOKEN_COUNTS},
         {n: med[("eagle", n)] for n in TOKEN_COUNTS},
         {n: med[("standalone", n)] for n in TOKEN_COUNTS},
+        cpu_name(),
     )
 
 

@@ -113,10 +113,9 @@ def _datagen_commands(data: dict) -> str:
 
 
 def _dtype_flag(settings: dict) -> str:
-    """``--dtype`` where a data set or a training run was not at the default bf16 (summaries
-    written before the option: bf16)."""
-    dtype = settings.get("dtype", "bfloat16")
-    return "" if dtype == "bfloat16" else f" --dtype {dtype}"
+    """The ``--dtype`` a data set or a training run used, always spelled out: the default
+    (auto) depends on the machine (summaries written before the option: bf16)."""
+    return f" --dtype {settings.get('dtype', 'bfloat16')}"
 
 
 def _precisions(data: dict) -> str:
@@ -328,8 +327,9 @@ def render(
         "",
         "## Where speculation pays on this CPU",
         "",
-        f"Median forward times (transformers, fp32, {times.threads} threads, after a "
-        f"{times.context}-token context, {times.rounds} interleaved rounds), ms:",
+        f"Median forward times (transformers, fp32, {times.threads} threads"
+        f"{f' of an {times.cpu}' if times.cpu else ''}, after a {times.context}-token context, "
+        f"{times.rounds} interleaved rounds), ms:",
         "",
         "| new tokens | " + " | ".join(str(n) for n in times.target_ms) + " |",
         "|---|" + "---|" * len(times.target_ms),

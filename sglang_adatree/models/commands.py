@@ -8,13 +8,15 @@ import json
 import torch
 
 from sglang_adatree.config import load_config
+from sglang_adatree.models.hardware import resolve_dtype
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prompts import EVAL_SETS
 
 DRAFTS = ("eagle", "standalone")
-# Precisions of the target (datagen) and of training: bf16 is the default, fast with AMX or
-# on a GPU; fp32 on a CPU without bf16 instructions.
-DTYPES = ("bfloat16", "float32")
+# Precisions of the target (datagen) and of training: bf16 is fast with AMX or on a GPU, but
+# emulated (5-7x slower than fp32) on a CPU without bf16 instructions; "auto" picks by device
+# (``hardware.resolve_dtype``).
+DTYPES = ("auto", "bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="bfloat16",
-        help="the target's precision for training sets (default bfloat16; float32 is faster "
-        "on a CPU without bf16 instructions, e.g. AVX2 only)",
+        default="auto",
+        help="the target's precision for training sets (default auto: bfloat16 on a GPU or a "
+        "CPU with bf16 instructions, float32 otherwise)",
     )
     p.add_argument("--worker", default="0/1", help="'w/n': this process's share of shards")
 
@@ -78,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="bfloat16",
-        help="compute precision: bf16 autocast (default) or float32, faster on an AVX2-only CPU",
+        default="auto",
+        help="compute precision: bf16 autocast or float32 (default auto: bf16 on a GPU or a CPU "
+        "with bf16 instructions, float32 otherwise)",
     )
     p.add_argument("--export", action="store_true", help="write the shipped weights folder")
 
@@ -98,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.device != "cpu" and args.models_command in ("datagen", "train"):
         check_device(args.device)
+    if getattr(args, "dtype", None) == "auto":
+        args.dtype = resolve_dtype(args.dtype, args.device)
+        print(f"precision: {args.dtype} (--dtype auto on {args.device})")
     paths = ModelPaths(load_config(home=args.home).home_dir)
     if args.models_command == "prepare":
         from sglang_adatree.models.prepare import prepare_all

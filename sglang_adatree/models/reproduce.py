@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from sglang_adatree.models.commands import DTYPES, check_device
+from sglang_adatree.models.hardware import resolve_dtype
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prompts import EVAL_SETS
 
@@ -48,19 +49,19 @@ def generate_training_data(
         raise RuntimeError(f"datagen workers exited with {codes}")
 
 
-def reproduce(
-    paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "bfloat16"
-) -> None:
+def reproduce(paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "auto") -> None:
     """Every stage in order; ``device`` (``cuda`` where a GPU is) runs datagen and training,
     the held-out sets (fp32), the evaluation and the cards' timings stay on the CPU.
-    ``dtype`` is the training data's and the trainings' precision (float32 on a CPU without
-    bf16 instructions)."""
+    ``dtype`` is the training data's and the trainings' precision (``auto``: bf16 on a GPU or
+    a CPU with bf16 instructions, float32 on other CPUs)."""
     from sglang_adatree.models.datagen import eval_config, run_datagen
     from sglang_adatree.models.prepare import prepare_all
     from sglang_adatree.models.train import TrainConfig, export_best, train
 
     if device != "cpu":
         check_device(device)
+    dtype = resolve_dtype(dtype, device)
+    print(f"precision: {dtype}")
     for line in prepare_all(paths):
         print(line)
     generate_training_data(paths, budget, device, dtype)
@@ -94,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="bfloat16",
-        help="precision of the training data and the trainings (float32 on an AVX2-only CPU)",
+        default="auto",
+        help="precision of the training data and the trainings (default auto: bfloat16 on a GPU "
+        "or a CPU with bf16 instructions, float32 otherwise)",
     )
