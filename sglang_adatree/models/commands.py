@@ -19,6 +19,17 @@ DRAFTS = ("eagle", "standalone")
 DTYPES = ("auto", "bfloat16", "float32")
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--dtype`` of datagen, train and scripts/train_draft.py: ``what`` it sets."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help=f"{what} (default auto: bfloat16 on a GPU or a CPU with bf16 instructions, "
+        "float32 otherwise)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -53,13 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-real", type=int, default=4, help="GPQA / AIME questions per shard (0: none)"
     )
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="the target's precision for training sets (default auto: bfloat16 on a GPU or a "
-        "CPU with bf16 instructions, float32 otherwise)",
-    )
+    add_dtype_argument(p, "the target's precision for training sets")
     p.add_argument("--worker", default="0/1", help="'w/n': this process's share of shards")
 
     p = sub.add_parser("train", help="train a draft on generated data")
@@ -77,13 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained at once")
     p.add_argument("--val-every", type=int, default=200, help="batches between validations")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="compute precision: bf16 autocast or float32 (default auto: bf16 on a GPU or a CPU "
-        "with bf16 instructions, float32 otherwise)",
-    )
+    add_dtype_argument(p, "compute precision: bf16 autocast or float32")
     p.add_argument("--export", action="store_true", help="write the shipped weights folder")
 
     p = sub.add_parser("evaluate", help="top-k agreement of a draft with the target")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from sglang_adatree.models.commands import DTYPES, check_device
+from sglang_adatree.models.commands import add_dtype_argument, check_device
 from sglang_adatree.models.hardware import resolve_dtype
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prompts import EVAL_SETS
@@ -34,7 +34,7 @@ def _cli(paths: ModelPaths, *args: str) -> list[str]:
 
 
 def generate_training_data(
-    paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "bfloat16"
+    paths: ModelPaths, budget: Budget, device: str = "cpu", dtype: str = "auto"
 ) -> None:
     """``budget.workers`` single-thread datagen processes, sharing one data set."""
     common = ["--threads", "1", "--device", device, "datagen", "--name", "train"]
@@ -92,10 +92,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="torch device of datagen and training (cpu, or cuda)"
     )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="precision of the training data and the trainings (default auto: bfloat16 on a GPU "
-        "or a CPU with bf16 instructions, float32 otherwise)",
-    )
+    add_dtype_argument(parser, "precision of the training data and the trainings")
