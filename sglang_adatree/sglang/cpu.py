@@ -242,13 +242,24 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     # Only where SGLang would run its plain product (no LoRA, quantisation, AMX, fp32 upcast or
     # on-policy bf16 path) on fp32 CPU tensors of 2-4 rows; the rest goes to the original.
+    # Every logits pass comes here: the cheap tensor checks decide first, so a GPU call costs
+    # one lookup.
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if (
+        not _is_cpu(hidden)
+        or hidden.ndim != 2
+        or not LM_HEAD_ROWS[0] <= hidden.shape[0] <= LM_HEAD_ROWS[1]
+        or hidden.dtype != torch.float32
+    ):
+        return original(self, *args, **kwargs)
     from sglang.srt.layers import logits_processor as lp
 
-    call = _arguments(original, (self, *args), kwargs)
-    hidden, lm_head = call["hidden_states"], call["lm_head"]
+    lm_head = _arguments(original, (self, *args), kwargs)["lm_head"]
     weight = getattr(lm_head, "weight", None)
     plain = (
         weight is not None
+        and weight.dtype == torch.float32
+        and weight.shape[0] >= LM_HEAD_MIN_VOCAB
         and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
         and not lp.should_apply_lm_head_quant_method(
             lm_head, getattr(lm_head, "quant_method", None)
@@ -257,15 +268,7 @@ def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any)
         and not lp.use_intel_amx_backend(lm_head)
         and self.rl_on_policy_target is None
     )
-    if (
-        not plain
-        or not _is_cpu(hidden)
-        or hidden.ndim != 2
-        or not LM_HEAD_ROWS[0] <= hidden.shape[0] <= LM_HEAD_ROWS[1]
-        or hidden.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or weight.shape[0] < LM_HEAD_MIN_VOCAB
-    ):
+    if not plain:
         return original(self, *args, **kwargs)
     return lm_head_logits(hidden, weight)
 
