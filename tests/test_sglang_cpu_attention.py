@@ -168,6 +168,81 @@ def test_verify_applies_the_tree_mask(layout):
             torch.testing.assert_close(out[b * n + i], ref, atol=1e-5, rtol=1e-5)
 
 
+# adatree's step without speculation verifies one token per request: with equal prefixes every
+# query sees every key and the forward runs without a mask; unequal ones keep it.
+@pytest.mark.parametrize("prefix", [(6, 2), (5, 5)])
+def test_one_token_verify_matches_decode_attention(prefix):
+    runner = _runner()
+    backend = AdaTreeCpuAttnBackend(runner)
+    reqs = torch.tensor([2, 0])
+    prefix_lens = torch.tensor(prefix)
+    for r, p in zip(reqs.tolist(), prefix, strict=True):
+        _fill_cache(runner, r, p)
+    rtt = runner.req_to_token_pool.req_to_token
+    out_cache_loc = torch.stack([rtt[r, p] for r, p in zip(reqs, prefix_lens, strict=True)])
+    fb = SimpleNamespace(
+        forward_mode=Mode("verify"),
+        req_pool_indices=reqs,
+        seq_lens=prefix_lens,
+        out_cache_loc=out_cache_loc.long(),
+        # SGLang's trivial verify input: an all-True mask in the FULL layout
+        spec_info=SimpleNamespace(
+            draft_token_num=1, custom_mask=torch.ones(int(prefix_lens.sum()) + 2, dtype=torch.bool)
+        ),
+    )
+    q, k, v = (
+        torch.randn(2, HEADS * DIM),
+        torch.randn(2, KV_HEADS * DIM),
+        torch.randn(2, KV_HEADS * DIM),
+    )
+    backend.init_forward_metadata(fb)
+    assert (backend.forward_metadata.mask is None) == (prefix[0] == prefix[1])
+    out = backend.forward_extend(q, k, v, LAYER, fb).view(2, HEADS, DIM)
+    pool = runner.token_to_kv_pool
+    for b, (r, p) in enumerate(zip(reqs.tolist(), prefix, strict=True)):
+        slots = rtt[r, : p + 1].long()
+        ref = _reference(
+            q[b].view(HEADS, DIM), pool.k[slots], pool.v[slots], torch.ones(p + 1, dtype=torch.bool)
+        )
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_without_saving_reads_the_new_kv_from_its_inputs():
+    # save_kv_cache=False: the new tokens' K/V never reach the cache, so the keys must come
+    # from the forward's own k and v (the cache's slots for them hold stale data here).
+    runner = _runner()
+    backend = AdaTreeCpuAttnBackend(runner)
+    reqs = torch.tensor([1])
+    prefix, extend = 4, 3
+    _fill_cache(runner, 1, prefix + extend)  # stale values in the new tokens' slots
+    rtt = runner.req_to_token_pool.req_to_token
+    fb = SimpleNamespace(
+        forward_mode=Mode("extend"),
+        req_pool_indices=reqs,
+        seq_lens=torch.tensor([prefix + extend]),
+        extend_prefix_lens=torch.tensor([prefix]),
+        extend_seq_lens=torch.tensor([extend]),
+        out_cache_loc=rtt[1, prefix : prefix + extend].long(),
+    )
+    q, k, v = (
+        torch.randn(extend, HEADS * DIM),
+        torch.randn(extend, KV_HEADS * DIM),
+        torch.randn(extend, KV_HEADS * DIM),
+    )
+    pool = runner.token_to_kv_pool
+    before = pool.k.clone(), pool.v.clone()
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, v, LAYER, fb, save_kv_cache=False).view(extend, HEADS, DIM)
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
+    slots = rtt[1, :prefix].long()
+    keys = torch.cat([pool.k[slots], k.view(extend, KV_HEADS, DIM)])
+    values = torch.cat([pool.v[slots], v.view(extend, KV_HEADS, DIM)])
+    for i in range(extend):
+        allowed = torch.arange(prefix + extend) <= prefix + i
+        ref = _reference(q[i].view(HEADS, DIM), keys, values, allowed)
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+
+
 # Unequal lengths take the masked path; equal ones the mask-free one.
 @pytest.mark.parametrize("lens", [(6, 2), (5, 5)])
 def test_decode_reads_each_request_slots(lens):

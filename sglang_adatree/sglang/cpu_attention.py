@@ -5,8 +5,10 @@ and has no target-verify or multi-step draft path. This backend builds, once per
 padded gather index of KV slots and a boolean mask per request, and then runs every layer as
 one batched ``scaled_dot_product_attention`` over the gathered keys. Keys are gathered with
 ``index_select`` over whole slot rows (several times faster on a CPU than advanced indexing),
-and a decode forward whose rows all have the same length runs without a mask (batch size 1
-always does): there a masked SDPA call costs two to three times an unmasked one.
+and a forward in which every query may see every key runs without a mask (a decode whose rows
+all have the same length, a verify of one token per request: batch size 1 always does): there
+a masked SDPA call costs two to three times an unmasked one. Extend-like forwards gather their
+keys after writing the new tokens' K/V to the cache, prefix and new slots in one gather.
 
 * extend (prefill, draft extend, mixed): keys = the request's cached prefix + its new tokens
   (causal among the new tokens);
@@ -39,9 +41,16 @@ class ExtendMetadata:
     """Gather plan of one extend-like forward (prefill, draft extend, target verify)."""
 
     prefix_slots: torch.Tensor  # [batch, max_prefix] int64 KV slots (0 where padded)
+    # [batch, max_prefix + max_q] int64: the prefix slots, then the new tokens' own slots
+    # (out_cache_loc), the keys' layout; read once the new K/V are written to the cache.
+    # None when the forward has no out_cache_loc.
+    slots: torch.Tensor | None
     token_index: torch.Tensor  # [batch, max_q] int64 row of each query in the flat input
     token_valid: torch.Tensor  # [batch, max_q] bool
-    mask: torch.Tensor  # [batch, 1, max_q, max_prefix + max_q] bool, True = may attend
+    # [batch, 1, max_q, max_prefix + max_q] bool, True = may attend; None when every query
+    # sees every key (one new token per request and no padding, as in adatree's verify
+    # without speculation): SDPA without a mask is the decode path's cost
+    mask: torch.Tensor | None
     num_tokens: int
 
 
@@ -133,6 +142,7 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
             self.forward_metadata = self._verify_metadata(forward_batch)
         else:
             self.forward_metadata = self._extend_metadata(
+                forward_batch.out_cache_loc,
                 forward_batch.req_pool_indices,
                 forward_batch.extend_prefix_lens,
                 forward_batch.extend_seq_lens,
@@ -163,6 +173,7 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
         q_lens = torch.full((batch,), num_tokens, dtype=torch.int64, device=self.device)
         prefix_lens = forward_batch.seq_lens.long()
         return self._extend_metadata(
+            forward_batch.out_cache_loc,
             forward_batch.req_pool_indices,
             prefix_lens,
             q_lens,
@@ -171,6 +182,7 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
 
     def _extend_metadata(
         self,
+        out_cache_loc: torch.Tensor | None,  # [num_tokens] KV slot of each new token
         req_pool_indices: torch.Tensor,  # [batch]
         prefix_lens: torch.Tensor,  # [batch]
         q_lens: torch.Tensor,  # [batch]
@@ -195,11 +207,17 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
         # token), so softmax never meets an all-masked row.
         prefix_mask = prefix_valid.unsqueeze(1).expand(-1, max_q, -1)
         mask = torch.cat([prefix_mask, new_mask], dim=2).unsqueeze(1)
+        slots = None
+        if out_cache_loc is not None:
+            new_slots = torch.where(token_valid, out_cache_loc.long()[token_index], 0)
+            slots = torch.cat([prefix_slots, new_slots], dim=1)
         return ExtendMetadata(
             prefix_slots=prefix_slots,
+            slots=slots,
             token_index=token_index,
             token_valid=token_valid,
-            mask=mask,
+            # One host read per forward (not per layer); this backend only runs on a CPU.
+            mask=None if bool(mask.all()) else mask,
             num_tokens=int(q_lens.sum()),
         )
 
@@ -222,14 +240,17 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
         key_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         value_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         idx = meta.token_index  # [batch, max_q]
-        keys = torch.cat(
-            [_gather_slots(key_cache, meta.prefix_slots).to(q_.dtype), _gather_slots(k_new, idx)],
-            dim=1,
-        )
-        values = torch.cat(
-            [_gather_slots(value_cache, meta.prefix_slots).to(q_.dtype), _gather_slots(v_new, idx)],
-            dim=1,
-        )
+        saved = save_kv_cache and meta.slots is not None
+        if saved and key_cache.dtype == value_cache.dtype == q_.dtype:
+            # The new K/V are in the cache now (same dtype, same values): one gather of
+            # prefix + new slots instead of two gathers and a torch.cat copy per layer.
+            keys = _gather_slots(key_cache, meta.slots)  # [batch, max_prefix + max_q, Hkv, D]
+            values = _gather_slots(value_cache, meta.slots)
+        else:
+            prefix_keys = _gather_slots(key_cache, meta.prefix_slots).to(q_.dtype)
+            prefix_values = _gather_slots(value_cache, meta.prefix_slots).to(q_.dtype)
+            keys = torch.cat([prefix_keys, _gather_slots(k_new, idx)], dim=1)
+            values = torch.cat([prefix_values, _gather_slots(v_new, idx)], dim=1)
         out = _attend(_gather_slots(q_, idx), keys, values, meta.mask, layer.scaling)
         # out: [batch, max_q, H, Dv]
         o = q.new_empty((q_.shape[0], heads, layer.v_head_dim))
