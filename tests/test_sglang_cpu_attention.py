@@ -81,6 +81,15 @@ def _reference(q, keys, values, allowed):
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
 
 
+def _qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random flat q [rows, H*D], k and v [rows, KVH*D], as a layer hands them over."""
+    return (
+        torch.randn(rows, HEADS * DIM),
+        torch.randn(rows, KV_HEADS * DIM),
+        torch.randn(rows, KV_HEADS * DIM),
+    )
+
+
 def _fill_cache(runner, req: int, length: int) -> None:
     slots = runner.req_to_token_pool.req_to_token[req, :length].long()
     runner.token_to_kv_pool.k[slots] = torch.randn(length, KV_HEADS, DIM)
@@ -108,11 +117,7 @@ def test_extend_matches_reference_with_prefix_and_padding():
         out_cache_loc=out_cache_loc,
     )
     n = int(extend.sum())
-    q, k, v = (
-        torch.randn(n, HEADS * DIM),
-        torch.randn(n, KV_HEADS * DIM),
-        torch.randn(n, KV_HEADS * DIM),
-    )
+    q, k, v = _qkv(n)
     backend.init_forward_metadata(fb)
     out = backend.forward_extend(q, k, v, LAYER, fb).view(n, HEADS, DIM)
     pool = runner.token_to_kv_pool
@@ -152,11 +157,7 @@ def test_verify_applies_the_tree_mask(layout):
         out_cache_loc=out_cache_loc.long(),
         spec_info=SimpleNamespace(draft_token_num=n, custom_mask=custom_mask),
     )
-    q, k, v = (
-        torch.randn(2 * n, HEADS * DIM),
-        torch.randn(2 * n, KV_HEADS * DIM),
-        torch.randn(2 * n, KV_HEADS * DIM),
-    )
+    q, k, v = _qkv(2 * n)
     backend.init_forward_metadata(fb)
     out = backend.forward_extend(q, k, v, LAYER, fb).view(2 * n, HEADS, DIM)
     pool = runner.token_to_kv_pool
@@ -190,11 +191,7 @@ def test_one_token_verify_matches_decode_attention(prefix):
             draft_token_num=1, custom_mask=torch.ones(int(prefix_lens.sum()) + 2, dtype=torch.bool)
         ),
     )
-    q, k, v = (
-        torch.randn(2, HEADS * DIM),
-        torch.randn(2, KV_HEADS * DIM),
-        torch.randn(2, KV_HEADS * DIM),
-    )
+    q, k, v = _qkv(2)
     backend.init_forward_metadata(fb)
     assert (backend.forward_metadata.mask is None) == (prefix[0] == prefix[1])
     out = backend.forward_extend(q, k, v, LAYER, fb).view(2, HEADS, DIM)
@@ -224,11 +221,7 @@ def test_extend_without_saving_reads_the_new_kv_from_its_inputs():
         extend_seq_lens=torch.tensor([extend]),
         out_cache_loc=rtt[1, prefix : prefix + extend].long(),
     )
-    q, k, v = (
-        torch.randn(extend, HEADS * DIM),
-        torch.randn(extend, KV_HEADS * DIM),
-        torch.randn(extend, KV_HEADS * DIM),
-    )
+    q, k, v = _qkv(extend)
     pool = runner.token_to_kv_pool
     before = pool.k.clone(), pool.v.clone()
     backend.init_forward_metadata(fb)
@@ -260,11 +253,7 @@ def test_decode_reads_each_request_slots(lens):
         seq_lens=seq_lens,
         out_cache_loc=out_cache_loc.long(),
     )
-    q, k, v = (
-        torch.randn(2, HEADS * DIM),
-        torch.randn(2, KV_HEADS * DIM),
-        torch.randn(2, KV_HEADS * DIM),
-    )
+    q, k, v = _qkv(2)
     backend.init_forward_metadata(fb)
     assert (backend.forward_metadata.mask is None) == (lens[0] == lens[1])
     out = backend.forward_decode(q, k, v, LAYER, fb).view(2, HEADS, DIM)
@@ -301,11 +290,7 @@ def test_draft_branches_read_prefix_and_their_own_slots(lens):
             ]
         ).long()
         rows = len(reqs) * topk
-        q, k, v = (
-            torch.randn(rows, HEADS * DIM),
-            torch.randn(rows, KV_HEADS * DIM),
-            torch.randn(rows, KV_HEADS * DIM),
-        )
+        q, k, v = _qkv(rows)
         step_fb = SimpleNamespace(out_cache_loc=out_cache_loc)
         out = backend.forward_decode(q, k, v, LAYER, step_fb).view(rows, HEADS, DIM)
         for b, (r, s) in enumerate(zip(reqs.tolist(), seq_lens.tolist(), strict=True)):
