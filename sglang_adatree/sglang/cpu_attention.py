@@ -62,11 +62,15 @@ class DecodeMetadata:
     mask: torch.Tensor | None  # [rows, 1, 1, max_kv] bool; None when no slot is padding
 
 
+def _mask_if_needed(mask: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` (bool, True = may attend), or None when it hides nothing: SDPA runs faster
+    without one. One host read per forward (not per layer); this backend only runs on a CPU."""
+    return None if bool(mask.all()) else mask
+
+
 def _decode_metadata_of(slots: torch.Tensor, valid: torch.Tensor) -> DecodeMetadata:
     """Decode metadata; the mask is dropped when every row uses all its slots."""
-    # One host read per forward (not per layer); this backend only runs on a CPU.
-    mask = None if bool(valid.all()) else valid[:, None, None, :]
-    return DecodeMetadata(slots=slots, mask=mask)
+    return DecodeMetadata(slots=slots, mask=_mask_if_needed(valid[:, None, None, :]))
 
 
 def _gather_slots(
@@ -216,8 +220,7 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
             slots=slots,
             token_index=token_index,
             token_valid=token_valid,
-            # One host read per forward (not per layer); this backend only runs on a CPU.
-            mask=None if bool(mask.all()) else mask,
+            mask=_mask_if_needed(mask),
             num_tokens=int(q_lens.sum()),
         )
 
