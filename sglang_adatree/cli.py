@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "retrain": ("sglang_adatree.retrain", "refit the cost model from recorded steps"),
     "profile": ("sglang_adatree.profile", "profile step times of candidate shapes"),
     "bench": ("sglang_adatree.bench.commands", "benchmark adatree against the baselines"),
+    "compare": (
+        "sglang_adatree.bench.compare",
+        "paired comparison of configurations served side by side",
+    ),
     "models": ("sglang_adatree.models.commands", "prepare, train and evaluate the bundled models"),
 }
 

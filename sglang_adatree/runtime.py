@@ -9,9 +9,9 @@ The SGLang worker (``sglang_adatree.sglang.worker``) calls two methods per decod
 
 Everything slow happens on a background control thread, never in those two calls:
 
-* every ``control_poll_s`` it reads the active pins and policy version from the store; a newly
-  activated policy version is loaded and tabulated there (seconds for an XGBoost model) and
-  handed over ready to use;
+* at start and then every ``control_poll_s`` it reads the active pins and policy version from
+  the store; a newly activated policy version is loaded and tabulated there (seconds for an
+  XGBoost model) and handed over ready to use;
 * without a trained policy version it refits the analytic step-time model on the steps this
   server measured (TurboSpec's closed loop), so the fallback learns this deployment.
 
@@ -277,7 +277,11 @@ class AdaTreeRuntime:
     def _control_loop(self) -> None:
         known_version: int | None = None
         failed_version: int | None = None
-        while not self._stop.wait(self.config.control_poll_s):
+        # The first read at once: a pin or policy version set before the server started applies
+        # from its first decode steps, not a poll interval later.
+        first = True
+        while first or not self._stop.wait(self.config.control_poll_s):
+            first = False
             pins: tuple[Pin, ...] = self.policy.pins
             cost_model = None
             version = self.policy.policy_version

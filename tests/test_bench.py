@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ from sglang_adatree.bench.workloads import (
     LOW_ACCEPTANCE_PROMPTS,
     load_workload,
 )
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, ShapeError, TreeShape
 
 # -- loads ----------------------------------------------------------------------------------------
 
@@ -141,6 +142,34 @@ def test_policies_expand_and_deduplicate():
         parse_configurations(["eagle"], "standalone", DEFAULT_CANDIDATES)
     with pytest.raises(ValueError, match="must speculate"):
         parse_configurations(["static:0"], "standalone", DEFAULT_CANDIDATES)
+
+
+def test_adatree_with_its_own_candidates_or_a_pin():
+    items = split_items("ar,adatree:0;3,1,4,adatree@2,2,4,adatree@0,static:2,2,4,adatree")
+    assert items == [
+        "ar",
+        "adatree:0;3,1,4",
+        "adatree@2,2,4",
+        "adatree@0",
+        "static:2,2,4",
+        "adatree",
+    ]
+    _, own, pinned, no_spec, _, ada = parse_configurations(items, "eagle", DEFAULT_CANDIDATES)
+    assert own.name == "adatree:0,1,1;3,1,4" and own.pin is None
+    assert own.candidate_shapes == (NO_SPEC, TreeShape(3, 1, 4))
+    assert pinned.name == "adatree@2,2,4" and pinned.pin == TreeShape(2, 2, 4)
+    assert no_spec.pin == NO_SPEC and no_spec.slug == "adatree@0,1,1"
+    # A pinned server keeps the whole candidate set, as an operator's pin does.
+    assert pinned.candidate_shapes == ada.candidate_shapes == DEFAULT_CANDIDATES
+    m = models(Path("/m"), "eagle")
+    assert pinned.label(m) == "adatree@2,2,4 (adatree serve, pinned to 2,2,4)"
+    assert own.label(m) == "adatree:0,1,1;3,1,4 (adatree serve, candidates 0,1,1; 3,1,4)"
+    cmd = own.command(m, ServerSettings(), 1, None)
+    assert flag(cmd, "--candidate-shapes") == "0,1,1;3,1,4"
+    with pytest.raises(ValueError, match="not a candidate shape; pin one of"):
+        parse_configurations(["adatree@7,1,8"], "eagle", DEFAULT_CANDIDATES)
+    with pytest.raises(ShapeError):
+        parse_configurations(["adatree:0"], "eagle", DEFAULT_CANDIDATES)  # nothing speculates
 
 
 def test_commands_as_a_user_would_run_them(tmp_path):

@@ -97,12 +97,14 @@ class PointResult:
 
 @dataclass(frozen=True)
 class Streamed:
-    """What one streamed request returned: first-token time, tokens, verify steps, error."""
+    """What one streamed request returned: first-token time, tokens, verify steps, the
+    generated text (SGLang streams it cumulatively: the last chunk's), error."""
 
     ttft_ms: float | None
     output_tokens: int = 0
     spec_verify_ct: int = 0
     error: str | None = None
+    text: str = ""
 
 
 def stream_generate(
@@ -111,16 +113,18 @@ def stream_generate(
     text: str,
     max_new_tokens: int,
     timeout_s: float,
+    ignore_eos: bool = False,
 ) -> Streamed:
-    """One greedy request over ``/generate`` with ``stream: true``, read chunk by chunk."""
-    payload = {
-        "text": text,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
-        "stream": True,
-    }
+    """One greedy request over ``/generate`` with ``stream: true``, read chunk by chunk;
+    ``ignore_eos`` makes it produce exactly ``max_new_tokens`` (unless the context fills)."""
+    sampling: dict = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+    if ignore_eos:
+        sampling["ignore_eos"] = True
+    payload = {"text": text, "sampling_params": sampling, "stream": True}
     start = time.perf_counter()
     ttft_ms = None
     meta: dict = {}
+    output = ""
     try:
         with session.post(f"{url}/generate", json=payload, stream=True, timeout=timeout_s) as r:
             if r.status_code != 200:
@@ -135,6 +139,7 @@ def stream_generate(
                 if "error" in chunk:
                     return Streamed(ttft_ms, error=str(chunk["error"])[:200])
                 meta = chunk.get("meta_info") or meta
+                output = chunk.get("text", output)
                 if ttft_ms is None and meta.get("completion_tokens", 0) >= 1:
                     ttft_ms = (time.perf_counter() - start) * 1000.0
     except (requests.RequestException, json.JSONDecodeError) as exc:
@@ -142,7 +147,7 @@ def stream_generate(
     tokens = int(meta.get("completion_tokens", 0))
     if tokens == 0:
         return Streamed(ttft_ms, error="no tokens generated")
-    return Streamed(ttft_ms, tokens, int(meta.get("spec_verify_ct") or 0))
+    return Streamed(ttft_ms, tokens, int(meta.get("spec_verify_ct") or 0), text=output)
 
 
 def poisson_offsets(count: int, rate: float, seed: int) -> list[float]:

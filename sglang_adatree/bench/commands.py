@@ -28,6 +28,7 @@ from sglang_adatree.bench.configurations import (
     detect_draft_kind,
     parse_configurations,
 )
+from sglang_adatree.bench.databases import database_url, prepare_database
 from sglang_adatree.bench.report import (
     bound_lines,
     comparison_lines,
@@ -114,16 +115,17 @@ def _option(args: argparse.Namespace, name: str) -> object:
 
 
 def split_items(text: str) -> list[str]:
-    """Comma list whose static shapes keep their commas: 'ar,static:3,1,4,adatree'."""
+    """Comma list whose shapes keep their commas: 'ar,static:3,1,4,adatree@2,2,4,adatree'
+    (also 'adatree:0;3,1,4', whose last shape takes the numbers that follow it)."""
     items: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
+        last = items[-1] if items else ""
         if (
-            items
-            and part.isdigit()
-            and items[-1].startswith("static:")
-            and items[-1].count(",") < 2
+            part.isdigit()
+            and last.startswith(("static:", "adatree:", "adatree@"))
+            and last.rsplit(";", 1)[-1].count(",") < 2
         ):
             items[-1] += "," + part
         else:
@@ -151,7 +153,7 @@ def resolve_models(args: argparse.Namespace) -> Models:
     return Models(target.resolve(), draft.resolve(), detect_draft_kind(draft))
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
+def exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
@@ -197,15 +199,15 @@ def run(args: argparse.Namespace) -> int:
         for config in configs:
             print(f"# {config.label(models)}")
             env = " ".join(f"{k}={v}" for k, v in config.env(settings).items())
-            print(env, shlex.join(config.command(models, settings, 30000, db_url)))
+            url = database_url(config, work_dir, db_url)
+            print(env, shlex.join(config.command(models, settings, 30000, url)))
         return 0
-    if any(c.kind == "adatree-serve" for c in configs):
-        from sglang_adatree.telemetry.store import upgrade
-
-        upgrade(db_url)
+    for config in configs:
+        if config.kind == "adatree-serve":
+            prepare_database(database_url(config, work_dir, db_url), config)
     # SIGTERM (and SIGINT, even when a background shell ignores it) unwind through the
     # server's context manager, which stops the server and all its children.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.time()
     outcome = run_bench(plan, progress=not args.quiet)

@@ -14,6 +14,15 @@ other; only the speculative flags (and, under ``adatree serve``, the decision ru
 * ``turbospec``: TurboSpec's rule re-implemented by sglang-adatree
   (``ADATREE_POLICY=turbospec`` under ``adatree serve``, chain candidates only).
 * ``adatree``: ``adatree serve`` with the candidate shapes given (default: the package's set).
+* ``adatree:SHAPES``: ``adatree serve`` with exactly ``SHAPES`` (``;``-separated) as its
+  candidates (at least one speculative, as for any candidate set); a single shape runs on
+  every step (``adatree:2,2,4`` against ``static:2,2,4``: adatree's machinery against
+  SGLang's for the same shape).
+* ``adatree@S,K,N``: ``adatree serve`` with the candidate shapes given, pinned to ``S,K,N`` for
+  every batch size as an operator pins one from the dashboard (a pin in the server's own
+  telemetry database, ``bench.databases``): adatree's step for that shape inside its whole
+  candidate set, ``adatree@0`` its step without speculation (a candidate set must speculate,
+  so no speculation alone can only be pinned).
 
 On ``--device cpu`` every server gets the flags SGLang's speculative path needs there
 (``--disable-cuda-graph --sleep-on-idle --attention-backend adatree_cpu --sampling-backend
@@ -86,10 +95,21 @@ class Configuration:
     shape: TreeShape | None = None  # static shape; None for static:default and adaptive ones
     policy: str | None = None  # ADATREE_POLICY under adatree serve
     candidate_shapes: tuple[TreeShape, ...] = ()  # under adatree serve
+    pin: TreeShape | None = None  # under adatree serve: pinned for every batch size
 
     @property
     def is_static(self) -> bool:
         return self.kind == "static"
+
+    @property
+    def decides(self) -> bool:
+        """Whether its decision rule chooses among shapes while it serves (warm-up matters)."""
+        return self.kind == "adatree-serve" and self.pin is None and len(self.candidate_shapes) > 1
+
+    @property
+    def slug(self) -> str:
+        """The name as a file-name part."""
+        return self.name.replace(":", "_").replace(";", "+")
 
     def label(self, models: Models) -> str:
         """The name with how it was run: shows which baselines are re-implementations."""
@@ -102,7 +122,12 @@ class Configuration:
         if self.kind == "builtin-adaptive":
             return f"sglang-adaptive (SGLang {algorithm} --speculative-adaptive)"
         if self.policy == "adatree":
-            return "adatree"
+            if self.pin is not None:
+                return f"{self.name} (adatree serve, pinned to {self.pin})"
+            if self.name == "adatree":
+                return "adatree"
+            shapes = "; ".join(str(s) for s in self.candidate_shapes)
+            return f"{self.name} (adatree serve, candidates {shapes})"
         return f"{self.policy} ({REIMPLEMENTED})"
 
     def command(
@@ -198,9 +223,31 @@ def parse_configuration(
                 "adatree", "adatree-serve", policy="adatree", candidate_shapes=tuple(candidates)
             )
         ]
+    if name.startswith("adatree@"):
+        pin = TreeShape.parse(name.split("@", 1)[1])
+        if pin not in candidates:
+            allowed = " ".join(str(s) for s in candidates)
+            raise ValueError(f"{text}: {pin} is not a candidate shape; pin one of {allowed}")
+        return [
+            Configuration(
+                f"adatree@{pin}",
+                "adatree-serve",
+                policy="adatree",
+                candidate_shapes=tuple(candidates),
+                pin=pin,
+            )
+        ]
+    if name.startswith("adatree:"):
+        own = parse_candidates(name.split(":", 1)[1])
+        label = ";".join(str(s) for s in own)
+        return [
+            Configuration(
+                f"adatree:{label}", "adatree-serve", policy="adatree", candidate_shapes=own
+            )
+        ]
     raise ValueError(
         f"unknown policy {text!r}; use ar, static:S,K,N, static:default, static:sweep, "
-        "sglang-adaptive, turbospec or adatree"
+        "sglang-adaptive, turbospec, adatree, adatree:SHAPES or adatree@S,K,N"
     )
 
 

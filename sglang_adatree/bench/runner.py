@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from sglang_adatree.bench.client import Load, PointResult, RequestResult, run_point
 from sglang_adatree.bench.configurations import Configuration, Models, ServerSettings
+from sglang_adatree.bench.databases import database_url
 from sglang_adatree.bench.results import BenchRow, make_row, with_speedups
 from sglang_adatree.bench.servers import Server, ServerError, free_port, running_server
 from sglang_adatree.bench.steps import StepPoint, summarize_steps, wait_for_steps
@@ -112,9 +113,10 @@ def run_bench(plan: BenchPlan, progress: bool = True) -> BenchOutcome:
         for config in configs[shift:] + configs[:shift]:
             if config.name in outcome.failures:
                 continue
-            log = plan.work_dir / "logs" / f"{config.name.replace(':', '_')}-{round_index}.log"
+            log = plan.work_dir / "logs" / f"{config.slug}-{round_index}.log"
             port = free_port()
-            command = config.command(plan.models, plan.settings, port, plan.db_url)
+            db_url = database_url(config, plan.work_dir, plan.db_url)
+            command = config.command(plan.models, plan.settings, port, db_url)
             _say(progress, f"[round {round_index + 1}] starting {config.name}: {' '.join(command)}")
             try:
                 with running_server(
@@ -133,7 +135,7 @@ def run_bench(plan: BenchPlan, progress: bool = True) -> BenchOutcome:
                         loads_seen.setdefault(key, []).append(load_avg)
                         if run_id is not None:
                             rows = wait_for_steps(
-                                plan.db_url, int(run_id), point.started_at, point.finished_at
+                                db_url, int(run_id), point.started_at, point.finished_at
                             )
                             steps.setdefault(key, []).extend(rows)
                             outcome.timelines.setdefault(config.name, []).extend(
@@ -170,37 +172,10 @@ def _prepare(
     warmup: Sequence[str],
     outcome: BenchOutcome,
 ) -> dict:
-    """Warm-up requests, then the server's state: its resolved static shape and run id.
-
-    Every server gets ``plan.warmup_requests``; an adatree-served one (adatree and the
-    re-implemented baselines) gets more, two at a time, until it is past its warm-up cycle and
-    its first step-time refit, so that the points measure the decision rule of a server that
-    has been running, not its start-up. The cold start stays visible in the telemetry.
-    """
-    sent = 0
-    warm_steps = max(load_config().warmup_steps, REFIT_EVERY_ROWS) + WARMUP_MARGIN_STEPS
-    for batch in range(MAX_WARMUP_BATCHES):
-        count = plan.warmup_requests if batch == 0 else 2
-        if count <= 0:
-            break
-        prompts = [warmup[(sent + i) % len(warmup)] for i in range(count)]
-        sent += count
-        point = run_point(
-            server.url,
-            prompts,
-            [""] * len(prompts),
-            Load("concurrency", min(2, len(prompts))),
-            plan.max_new_tokens,
-            timeout_s=plan.request_timeout_s,
-        )
-        failed = [r.error for r in point.requests if r.error]
-        if failed:
-            raise ServerError(f"{config.name}: warm-up requests failed: {failed[0]}")
-        if config.kind != "adatree-serve":
-            break
-        if int(server.internal_state().get("adatree_steps") or 0) >= warm_steps:
-            break
-    info = server.info()
+    """``warm_up``, then the server's state; records a static server's resolved shape."""
+    info = warm_up(
+        server, config, warmup, plan.warmup_requests, plan.max_new_tokens, plan.request_timeout_s
+    )
     if config.is_static:
         shape = (
             info.get("speculative_num_steps"),
@@ -210,6 +185,48 @@ def _prepare(
         outcome.static_shapes[config.name] = ",".join(str(x) for x in shape)
     states = info.get("internal_states") or [{}]
     return states[0]
+
+
+def warm_up(
+    server: Server,
+    config: Configuration,
+    warmup: Sequence[str],
+    requests: int,
+    max_new_tokens: int,
+    timeout_s: float,
+) -> dict:
+    """Warm-up requests; returns the server's info (``GET /server_info``) afterwards.
+
+    Every server gets ``requests``; one whose decision rule chooses among shapes (adatree and
+    the re-implemented baselines, unless pinned) gets more, two at a time, until it is past its
+    warm-up cycle and its first step-time refit, so that what follows measures the decision
+    rule of a server that has been running, not its start-up. The cold start stays visible in
+    the telemetry.
+    """
+    sent = 0
+    warm_steps = max(load_config().warmup_steps, REFIT_EVERY_ROWS) + WARMUP_MARGIN_STEPS
+    for batch in range(MAX_WARMUP_BATCHES):
+        count = requests if batch == 0 else 2
+        if count <= 0:
+            break
+        prompts = [warmup[(sent + i) % len(warmup)] for i in range(count)]
+        sent += count
+        point = run_point(
+            server.url,
+            prompts,
+            [""] * len(prompts),
+            Load("concurrency", min(2, len(prompts))),
+            max_new_tokens,
+            timeout_s=timeout_s,
+        )
+        failed = [r.error for r in point.requests if r.error]
+        if failed:
+            raise ServerError(f"{config.name}: warm-up requests failed: {failed[0]}")
+        if not config.decides:
+            break
+        if int(server.internal_state().get("adatree_steps") or 0) >= warm_steps:
+            break
+    return server.info()
 
 
 def _run_one(

@@ -1,0 +1,58 @@
+"""Which telemetry database each adatree-served configuration writes to, and its pin.
+
+Servers under ``adatree serve`` record their steps in a telemetry database and read pins from
+it. A pin in a database reaches every server that polls it, so a pinned configuration
+(``adatree@S,K,N``) gets a SQLite database of its own in the work directory, migrated and
+holding its one pin before the server starts; the others share the run's database
+(``--db``), as servers of one deployment would. ``adatree compare`` runs its servers side by
+side and gives every adatree-served one its own database (``separate=True``): what one learns
+or is pinned to never reaches another.
+
+The pin is written the way the dashboard writes one (``admin.actions.create_pin``: a ``pins``
+row and its ``audit_log`` entry), with the actor ``adatree bench``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sglang_adatree.bench.configurations import Configuration
+from sglang_adatree.shapes import TreeShape
+from sglang_adatree.telemetry.store import session_scope, upgrade
+
+PIN_ACTOR = "adatree bench"
+
+
+def database_url(
+    config: Configuration, work_dir: Path, shared_url: str, separate: bool = False
+) -> str:
+    """The database ``config``'s server records to and reads pins from."""
+    if config.pin is None and not separate:
+        return shared_url
+    return f"sqlite:///{(work_dir / f'telemetry-{config.slug}.sqlite').resolve()}"
+
+
+def prepare_database(url: str, config: Configuration) -> None:
+    """Migrate ``url`` to head; for a pinned configuration, pin its shape there unless an
+    active pin of that shape for every batch size is there already (a re-run in the same work
+    directory)."""
+    upgrade(url)
+    if config.pin is None:
+        return
+    # The dashboard's package: imported only for a pinned configuration.
+    from admin.actions import PinRequest, create_pin
+    from admin.queries.control import list_pins
+    from admin.queries.runs import CandidateSet
+
+    with session_scope(url) as session:
+        conn = session.connection()
+        active, _ = list_pins(conn)
+        everywhere = (p for p in active if p.min_batch_size is None and p.max_batch_size is None)
+        if any(TreeShape.parse(p.shape) == config.pin for p in everywhere):
+            return
+        create_pin(
+            conn,
+            CandidateSet(config.candidate_shapes, "config", None),
+            PinRequest(config.pin, None, None, f"{config.name}: pinned for the comparison"),
+            PIN_ACTOR,
+        )

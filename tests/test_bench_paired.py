@@ -1,0 +1,92 @@
+"""``adatree compare``'s pure parts: the request order, the paired summary, the table, and the
+telemetry databases (shared, separate, pinned) written for real with SQLite."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from sglang_adatree.bench.configurations import parse_configurations
+from sglang_adatree.bench.databases import PIN_ACTOR, database_url, prepare_database
+from sglang_adatree.bench.paired import Sample, request_order, summarize, table_lines
+from sglang_adatree.shapes import DEFAULT_CANDIDATES, TreeShape
+from sglang_adatree.telemetry.models import AuditLog, Pin
+from sglang_adatree.telemetry.store import session_scope
+
+
+def test_the_order_reverses_every_prompt():
+    names = ["ar", "adatree@0", "static:2,2,4"]
+    assert request_order(0, names) == names
+    assert request_order(1, names) == names[::-1]
+    assert request_order(2, names) == names
+    # Over any two prompts every configuration has the same mean position.
+    positions = [request_order(0, names).index(n) + request_order(1, names).index(n) for n in names]
+    assert len(set(positions)) == 1
+
+
+def sample(prompt, name, tpot, text="same", error=None, tokens=16, verify=0):
+    return Sample(prompt, name, 100.0 + prompt, tpot, tokens, verify, text, error)
+
+
+def test_ratios_are_paired_prompt_by_prompt():
+    # Prompt 1 is slow for everyone (a busy moment): the unpaired medians move, the paired
+    # ratios do not.
+    samples = [
+        sample(0, "ar", 100.0), sample(0, "b", 90.0, verify=8),
+        sample(1, "ar", 300.0), sample(1, "b", 270.0, verify=8),
+        sample(2, "ar", 100.0), sample(2, "b", 120.0, verify=8),
+    ]  # fmt: skip
+    ar, b = summarize([("ar", "ar (no speculation)"), ("b", "b")], samples)
+    assert ar.tpot_ratio == 1.0 and ar.faster == 0 and ar.accept_len is None
+    assert ar.identical == ar.compared == 3 and ar.prompts == 3
+    assert b.tpot_ms == 120.0 and b.ttft_ms == 101.0
+    assert b.tpot_ratio == pytest.approx(0.9)
+    assert (b.tpot_ratio_q1, b.tpot_ratio_q3) == pytest.approx((0.9, 1.05))
+    assert b.faster == 2 and b.accept_len == pytest.approx(45 / 24)
+    assert b.errors == 0 and b.identical == 3
+
+
+def test_differing_answers_and_failed_requests_are_counted_not_paired():
+    samples = [
+        sample(0, "ar", 100.0), sample(0, "b", 80.0, text="other"),
+        sample(1, "ar", 100.0), sample(1, "b", None, text="", error="HTTP 500: boom"),
+        sample(2, "ar", None, error="timeout"), sample(2, "b", 50.0),
+    ]  # fmt: skip
+    _, b = summarize([("ar", "ar"), ("b", "b")], samples)
+    assert b.errors == 1
+    assert b.compared == 1 and b.identical == 0  # prompt 0 only: 1 and 2 had an error
+    assert b.prompts == 1 and b.tpot_ratio == pytest.approx(0.8)
+    lines = table_lines(summarize([("ar", "ar"), ("b", "b")], samples))
+    assert "TPOT / ar" in lines[0]
+    assert lines[3].split() == ["b", "65.0", "101", "0.800x", "0.80-0.80", "1/1", "-", "0/1", "1"]
+
+
+def test_a_configuration_without_usable_requests_shows_dashes():
+    samples = [sample(0, "ar", 100.0), sample(0, "b", None, error="down")]
+    _, b = summarize([("ar", "ar"), ("b", "b")], samples)
+    assert b.tpot_ms is None and b.tpot_ratio is None and b.prompts == 0
+    assert "-" in table_lines(summarize([("ar", "ar"), ("b", "b")], samples))[3]
+
+
+def test_databases_shared_separate_and_pinned(tmp_path):
+    ada, pinned = parse_configurations(["adatree", "adatree@2,2,4"], "eagle", DEFAULT_CANDIDATES)
+    shared = f"sqlite:///{tmp_path / 'shared.sqlite'}"
+    assert database_url(ada, tmp_path, shared) == shared
+    own = database_url(pinned, tmp_path, shared)
+    assert own != shared and own.endswith("telemetry-adatree@2,2,4.sqlite")
+    assert database_url(ada, tmp_path, shared, separate=True).endswith("telemetry-adatree.sqlite")
+
+    prepare_database(own, pinned)
+    prepare_database(own, pinned)  # a re-run in the same work directory adds no second pin
+    with session_scope(own) as session:
+        pins = session.execute(select(Pin)).scalars().all()
+        audit = session.execute(select(AuditLog)).scalars().all()
+    assert len(pins) == 1 and len(audit) == 1
+    pin = pins[0]
+    assert TreeShape(pin.steps, pin.topk, pin.num_draft_tokens) == TreeShape(2, 2, 4)
+    assert (pin.min_batch_size, pin.max_batch_size, pin.cleared_at) == (None, None, None)
+    assert pin.created_by == audit[0].actor == PIN_ACTOR and audit[0].action == "pin.create"
+
+    prepare_database(shared, ada)  # migrated, nothing pinned
+    with session_scope(shared) as session:
+        assert session.execute(select(Pin)).scalars().all() == []

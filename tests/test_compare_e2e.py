@@ -1,0 +1,80 @@
+"""``adatree compare`` end to end on tiny models: three real SGLang servers side by side (plain
+decoding, SGLang's STANDALONE worker at 3,1,4 and adatree pinned to 3,1,4 through a pin in its
+own telemetry database), the prompts sent to each in turn; the answers must be identical and
+the pinned server must have run the pinned shape on every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from test_bench_e2e import processes_with_env
+
+from sglang_adatree.telemetry.models import Step
+from sglang_adatree.telemetry.store import session_scope
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+PROMPTS = ["The capital of France is", "Write a haiku about rain.", "def add(a, b):"]
+
+
+@pytest.mark.timeout(900)
+def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
+    prompts = tmp_path / "tiny-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out, work = tmp_path / "compare.json", tmp_path / "work"
+    command = [
+        str(Path(sys.executable).parent / "adatree"),
+        "compare",
+        "--target", str(tiny_models.target),
+        "--draft", str(tiny_models.draft),
+        "--policies", "ar,static:3,1,4,adatree@3,1,4",
+        "--candidate-shapes", "0;1,1,2;3,1,4",
+        "--prompts", str(prompts),
+        "--num-requests", "3",
+        "--new-tokens", str(NEW_TOKENS),
+        "--warmup-requests", "1",
+        "--max-total-tokens", "4096",
+        "--work-dir", str(work),
+        "--out", str(out),
+        "--quiet",
+    ]  # fmt: skip
+    marker = f"ADATREE_COMPARE_TEST={tmp_path}"
+    env = {**os.environ, "ADATREE_COMPARE_TEST": str(tmp_path)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    names = [s["name"] for s in result["summary"]]
+    assert names == ["ar", "static:3,1,4", "adatree@3,1,4"]
+    samples = result["samples"]
+    assert len(samples) == 3 * len(PROMPTS)
+    # Each prompt went to all three before the next; the order reversed every prompt.
+    assert [s["configuration"] for s in samples[:6]] == [*names, *names[::-1]]
+    for s in samples:
+        assert s["error"] is None and s["output_tokens"] == NEW_TOKENS  # EOS ignored
+        assert s["tpot_ms"] > 0 and s["ttft_ms"] > 0
+    texts = {(s["configuration"], s["prompt"]): s["text"] for s in samples}
+    for p in range(len(PROMPTS)):
+        assert texts[("ar", p)] and len({texts[(n, p)] for n in names}) == 1
+    ar, static, pinned = result["summary"]
+    assert ar["tpot_ratio"] == 1.0 and ar["accept_len"] is None
+    for s in (static, pinned):
+        assert s["identical"] == s["compared"] == 3 and s["errors"] == 0 and s["prompts"] == 3
+        assert s["tpot_ratio"] > 0 and s["accept_len"] >= 1.0
+    assert "TPOT / ar" in done.stdout and "adatree@3,1,4" in done.stdout
+
+    # The pinned server read its pin from its own database and ran 3,1,4 on every step.
+    with session_scope(f"sqlite:///{work / 'telemetry-adatree@3,1,4.sqlite'}") as session:
+        steps = session.execute(
+            select(Step.steps, Step.topk, Step.num_draft_tokens, Step.decision_source)
+        ).all()
+    assert steps and set(steps) == {(3, 1, 4, "pin")}
+    assert not (work / "telemetry.sqlite").exists()
+    assert processes_with_env(marker) == []
