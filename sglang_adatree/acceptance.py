@@ -36,6 +36,24 @@ emitted = accepted + 1 bonus. A chain with constant acceptance ``a`` gives Turbo
 Worked example, ``(2, 2, 3)`` with ``p[0] = p[1] = (0.6, 0.2)``: layer 1 values 0.6, 0.2;
 layer 2 values 0.36, 0.12, 0.12, 0.04; keep the best 2 nodes (0.6, 0.36): emitted 1.96.
 
+The positional model is biased for shapes whose paths the data rarely covers. Deep nodes of an
+EAGLE-2 tree exist only under paths the draft was confident about, so the deep hazards are
+measured mostly there, while a chain drafts its deep tokens whatever the confidence: in the CPU
+bench's telemetry (steps after the 100th, one run each) the trees that ran most were predicted
+within 3% (2,2,4 1.92 vs 1.94 emitted tokens, 3,4,8 2.27 vs 2.25), the chain 3,1,4 at 1.90 and
+1.92 against 1.50 and 1.61 measured, 4,2,8 at 2.31 against 2.00. So each shape carries a
+correction factor. Each verify step's ratio of emitted tokens to the model's prediction for
+it (as of the last refresh, as the policy saw it) is divided by the recent mix's ratio (the
+same ratio's decayed mean over every speculative step, whatever the shape); a shape's factor is
+the decayed mean of that relative ratio over its own steps, per request, shrunk towards 1 (a
+class's towards the global factor) by ``prior_weight`` pseudo-requests. Relative to the mix,
+because the hazards lag behind a change of acceptance: the step's own ratio then misses for
+every shape alike, and a factor kept from it would outlast the lag. The shapes the data comes
+from set the mix, so their factors stay near 1 and the others' say how far they do better or
+worse than those. A request counts with the model's confidence then (``confidence()``): while
+the hazards are mostly prior, a miss says nothing about the shape. The corrected estimate is
+clipped to ``[1, steps + 1]``.
+
 Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
 on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
 observations holds the same ones.
@@ -56,6 +74,10 @@ from sglang_adatree.shapes import MAX_STEPS, MAX_TOPK, TreeShape
 # and a later sibling is right less often once the better ones failed.
 PRIOR_RANK_RATIO = 0.5
 DEFAULT_REFRESH_EVERY = 16
+# The recent mix's ratio forgets this many times faster than the counts: it must follow the
+# hazards' own convergence after a change (a slow one keeps the old miss and blames whichever
+# shape runs next), yet average enough steps to be steady (about 10 at the default decay).
+MIX_SPEED = 20.0
 
 
 @dataclass
@@ -67,6 +89,14 @@ class _ClassStats:
     # Share of the prior's pseudo-observations still held: decays with the counts.
     prior_keep: np.ndarray = field(default_factory=lambda: np.ones((MAX_STEPS, MAX_TOPK)))
     acceptance_length: dict[TreeShape, float] = field(default_factory=dict)
+    # Decayed sums over requests, each weighted by the model's confidence then, of measured /
+    # predicted emitted tokens: over every speculative step (the mix, with the sum of its
+    # weights), and per shape over its own steps (with the sum of the mix's ratio at those
+    # steps). The correction factors' evidence.
+    mix_sum: float = 0.0
+    mix_weight: float = 0.0
+    ratio_sum: dict[TreeShape, float] = field(default_factory=dict)
+    ratio_weight: dict[TreeShape, float] = field(default_factory=dict)
 
 
 class AcceptanceEstimator:
@@ -95,6 +125,8 @@ class AcceptanceEstimator:
         self.revision = 0
         self._hazards: dict[str | None, np.ndarray] = {}
         self._emitted: dict[tuple[str | None, TreeShape], float] = {}
+        self._model: dict[tuple[str | None, TreeShape], float] = {}
+        self._factors: dict[str | None, dict[TreeShape, float]] = {None: {}}
         self._layers: dict[tuple[str | None, int], list[np.ndarray]] = {}
         self._positional: dict[str | None, np.ndarray] = {}
         self._many: dict[str | None, tuple[Sequence[TreeShape], np.ndarray]] = {}
@@ -148,10 +180,25 @@ class AcceptanceEstimator:
         hit = ar >= 0  # [batch, steps]
         cells = (ar + np.arange(steps) * MAX_TOPK)[hit]  # [accepted] flat (depth, rank) index
         accepts = np.bincount(cells, minlength=steps * MAX_TOPK).reshape(steps, MAX_TOPK)
-        emitted = 1.0 + float(hit.sum()) / max(nc.shape[0], 1)
+        batch = nc.shape[0]
+        emitted = 1.0 + float(hit.sum()) / max(batch, 1)
         keys = (None,) if request_class is None else (None, request_class)
         for key in keys:
-            self._add(self._stats.setdefault(key, _ClassStats()), shape, trials, accepts, emitted)
+            # What the model predicted for this step, and how far to trust that prediction:
+            # both as of the last refresh, as the policy saw them.
+            weight = batch * self.confidence(self._key(key))
+            ratio = emitted / self.model_emitted(shape, key)
+            stats = self._stats.setdefault(key, _ClassStats())
+            self._add(stats, shape, trials, accepts, emitted)
+            keep, mix_keep = 1.0 - self.decay, 1.0 - min(1.0, MIX_SPEED * self.decay)
+            stats.mix_sum = mix_keep * stats.mix_sum + weight * ratio
+            stats.mix_weight = mix_keep * stats.mix_weight + weight
+            mix = stats.mix_sum / stats.mix_weight if stats.mix_weight > 0 else 1.0
+            # Sums of the ratios and of the mix's at the same steps: their quotient is the
+            # shape's ratio relative to the mix, without the upward bias a mean of per-step
+            # quotients would take from the noise of a mix over a few steps.
+            stats.ratio_sum[shape] = keep * stats.ratio_sum.get(shape, 0.0) + weight * ratio
+            stats.ratio_weight[shape] = keep * stats.ratio_weight.get(shape, 0.0) + weight * mix
         self._pending += 1
         if self._pending >= self.refresh_every:
             self.refresh()
@@ -183,9 +230,14 @@ class AcceptanceEstimator:
             if key is not None:
                 hazards[key] = self._posterior(stats, global_h)
         self._hazards = hazards
+        self._factors = {None: self._shape_factors(self._stats[None], {})}
+        for key, stats in self._stats.items():
+            if key is not None:
+                self._factors[key] = self._shape_factors(stats, self._factors[None])
         wanted = list(self._emitted)
         many = list(self._many.items())
         self._emitted = {}
+        self._model = {}
         self._layers = {}
         self._positional = {}
         self._many = {}
@@ -195,6 +247,17 @@ class AcceptanceEstimator:
             self.expected_emitted_many(shapes, request_class)
         self._pending = 0
         self.revision += 1
+
+    def _shape_factors(
+        self, stats: _ClassStats, towards: dict[TreeShape, float]
+    ) -> dict[TreeShape, float]:
+        """Per measured shape, its ratios over the mix's, shrunk towards ``towards`` (or 1)."""
+        k = self.prior_weight
+        out = {}
+        for shape, w in stats.ratio_weight.items():
+            if w + k > 0:
+                out[shape] = (stats.ratio_sum[shape] + k * towards.get(shape, 1.0)) / (w + k)
+        return out
 
     def _posterior(self, stats: _ClassStats, prior: np.ndarray) -> np.ndarray:
         """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus the prior's remaining
@@ -234,9 +297,26 @@ class AcceptanceEstimator:
         return stats.acceptance_length.get(shape)
 
     def expected_emitted(self, shape: TreeShape, request_class: str | None = None) -> float:
-        """Expected emitted tokens per request (accepted + 1 bonus) of ``shape``."""
+        """Expected emitted tokens per request (accepted + 1 bonus) of ``shape``: the
+        positional model's value times the shape's correction factor, clipped to
+        ``[1, steps + 1]``."""
         key = self._key(request_class)
         cached = self._emitted.get((key, shape))
+        if cached is not None:
+            return cached
+        value = self.model_emitted(shape, request_class)
+        factor = self._factors.get(key, {}).get(shape)
+        if factor is None and key is not None:
+            factor = self._factors[None].get(shape)
+        if factor is not None and shape.speculative:
+            value = min(max(value * factor, 1.0), shape.steps + 1.0)
+        self._emitted[(key, shape)] = value
+        return value
+
+    def model_emitted(self, shape: TreeShape, request_class: str | None = None) -> float:
+        """The positional model's expected emitted tokens per request, uncorrected."""
+        key = self._key(request_class)
+        cached = self._model.get((key, shape))
         if cached is not None:
             return cached
         if not shape.speculative:
@@ -245,8 +325,16 @@ class AcceptanceEstimator:
             layers = self._tree_layers(key, shape.topk, shape.steps)
             values = np.sort(np.concatenate(layers[: shape.steps]))[::-1]
             value = 1.0 + float(values[: shape.num_draft_tokens - 1].sum())
-        self._emitted[(key, shape)] = value
+        self._model[(key, shape)] = value
         return value
+
+    def correction(self, shape: TreeShape, request_class: str | None = None) -> float:
+        """The factor ``expected_emitted`` applies to ``model_emitted`` (before clipping)."""
+        key = self._key(request_class)
+        factor = self._factors.get(key, {}).get(shape)
+        if factor is None and key is not None:
+            factor = self._factors[None].get(shape)
+        return 1.0 if factor is None else factor
 
     def expected_emitted_many(
         self, shapes: Sequence[TreeShape], request_class: str | None = None

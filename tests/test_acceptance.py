@@ -131,7 +131,9 @@ def test_expected_emitted_matches_the_eagle2_reference():
     p = est.positional_acceptance()
     shapes = [*DEFAULT_CANDIDATES, TreeShape(4, 3, 9), TreeShape(4, 3, 29), TreeShape(2, 3, 5)]
     for shape in shapes:
-        assert est.expected_emitted(shape) == pytest.approx(eagle2_expected_emitted(p, shape))
+        assert est.model_emitted(shape) == pytest.approx(eagle2_expected_emitted(p, shape))
+    # Only 4,3,12 ran: nothing to correct the model by, every factor is 1.
+    assert all(est.correction(s) == pytest.approx(1.0) for s in shapes)
     np.testing.assert_allclose(
         est.expected_emitted_many(shapes), [eagle2_expected_emitted(p, s) for s in shapes]
     )
@@ -194,3 +196,57 @@ def test_from_config():
     assert (est.prior_weight, est.decay) == (5.0, 0.1)
     assert est.hazards()[0, 0] == pytest.approx(0.7)
     assert est.confidence() == 0.0
+
+
+def chain_emitted(hazards: np.ndarray, steps: int) -> float:
+    """Expected emitted tokens of a chain whose depth-d draft token is accepted with
+    ``hazards[d]`` once the ones before it were."""
+    return 1.0 + float(np.cumprod(hazards[:steps]).sum())
+
+
+def test_a_shape_the_positional_model_overrates_gets_corrected():
+    # Trees (3,2,6) run most of the time and follow TRUE_HAZARDS; the chain 3,1,4 runs one step
+    # in ten, and its deep tokens are accepted less often than the trees' deep nodes (a chain
+    # drafts them whatever the draft's confidence): the positional model overrates it.
+    tree, chain = TreeShape(3, 2, 6), TreeShape(3, 1, 4)
+    chain_hazards = TRUE_HAZARDS.copy()
+    chain_hazards[1:, 0] *= 0.6
+    est = AcceptanceEstimator(prior=0.5, prior_weight=20.0, decay=0.005, refresh_every=16)
+    rng = np.random.default_rng(11)
+    for i in range(3000):
+        shape, hazards = (chain, chain_hazards) if i % 10 == 0 else (tree, TRUE_HAZARDS)
+        est.observe(shape, *sample_path_stats(shape, 1, hazards, rng))
+    est.refresh()
+    truth = chain_emitted(chain_hazards[:, 0], 3)
+    model, corrected = est.model_emitted(chain), est.expected_emitted(chain)
+    assert model - truth > 0.2  # the bias the correction is for
+    assert abs(corrected - truth) < (model - truth) / 3
+    # The trees the hazards come from stay as the model says, and shapes never run get no
+    # correction.
+    assert est.correction(tree) == pytest.approx(1.0, abs=0.03)
+    assert est.correction(TreeShape(2, 2, 4)) == 1.0
+
+
+def test_a_change_in_acceptance_leaves_no_correction_behind():
+    # The hazards lag behind a drop in acceptance, so every step's prediction misses for a
+    # while; measured against the mix of recent steps, the running shape is not blamed for it.
+    shape = TreeShape(2, 2, 4)
+    est = AcceptanceEstimator(prior=0.5, decay=0.005, refresh_every=16)
+    run_synthetic(est, shape, np.full((2, 2), 0.9), steps=400, batch=1, seed=12)
+    assert est.correction(shape) == pytest.approx(1.0, abs=0.05)
+    for block in range(8):
+        run_synthetic(est, shape, np.full((2, 2), 0.3), steps=50, batch=1, seed=13 + block)
+        assert est.correction(shape) == pytest.approx(1.0, abs=0.05)
+    assert est.model_emitted(shape) < 2.0  # the hazards themselves followed the drop (2.8)
+
+
+def test_corrected_estimates_stay_possible():
+    # A shape that emitted more than its model predicts is clipped at steps + 1.
+    est = AcceptanceEstimator(prior=0.5, prior_weight=0.0, refresh_every=1)
+    tree, chain = TreeShape(2, 2, 4), TreeShape(1, 1, 2)
+    for _ in range(50):
+        est.observe(tree, np.array([[2, 0]]), np.array([[-1, -1]]))  # nothing accepted
+        est.observe(chain, np.array([[1]]), np.array([[0]]))  # always accepted
+    est.refresh()
+    assert est.correction(chain) > 1.0
+    assert est.expected_emitted(chain) <= 2.0
