@@ -6,6 +6,9 @@ import itertools
 import json
 import math
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +40,13 @@ from sglang_adatree.bench.results import (
     percentile,
     with_speedups,
 )
-from sglang_adatree.bench.servers import ServerError, free_port, running_server
+from sglang_adatree.bench.servers import (
+    ServerError,
+    ephemeral_range,
+    free_port,
+    running_server,
+    stop_process_group,
+)
 from sglang_adatree.bench.steps import (
     EMPTY,
     StepPoint,
@@ -440,3 +449,53 @@ def test_a_server_that_dies_reports_its_log(tmp_path):
         running_server(command, {}, free_port(), tmp_path / "s.log", timeout_s=60),
     ):
         pass
+
+
+def test_server_ports_avoid_theephemeral_range():
+    lo, hi = ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not lo <= port <= hi
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed
+
+
+def test_a_server_whose_port_was_taken_is_reported_at_once(tmp_path):
+    # SGLang logs the failed bind and its processes stay up; waiting for /health would take
+    # the whole start-up timeout.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        script = (
+            "import sys, time; print('ERROR: [Errno 98] error while attempting to bind on "
+            "address: address already in use', flush=True); time.sleep(600)"
+        )
+        started = time.monotonic()
+        with (
+            pytest.raises(ServerError, match="port was taken"),
+            running_server([sys.executable, "-c", script], {}, port, tmp_path / "s.log", 300),
+        ):
+            pass
+    assert time.monotonic() - started < 60
+
+
+def test_an_interrupted_stop_still_kills_the_group(tmp_path, monkeypatch):
+    # A server that ignores SIGTERM, and a second signal arriving during the grace period:
+    # the group gets its SIGKILL anyway.
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    time.sleep(0.5)
+    real_wait = process.wait
+    calls = []
+
+    def interrupted(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(timeout=timeout)
+
+    monkeypatch.setattr(process, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stop_process_group(process, grace_s=30)
+    assert real_wait(timeout=10) == -signal.SIGKILL

@@ -9,6 +9,7 @@ Servers are stopped on every exit path, Ctrl-C included, so two never hold memor
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,9 +27,33 @@ class ServerError(RuntimeError):
     """A server that exited or never became healthy; the message carries its log's tail."""
 
 
+# Ports the kernel hands out for outgoing connections (Linux's default range): a server port
+# chosen there can be taken by a client socket before the server binds it, which SGLang does
+# only after loading its models; with several servers up and requests flowing, it happened.
+EPHEMERAL_PORTS = (32768, 60999)
+SERVER_PORTS = (20000, 32000)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return EPHEMERAL_PORTS
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port nothing listens on right now, outside the ephemeral range where possible."""
+    lo, hi = ephemeral_range()
+    candidates = [p for p in range(*SERVER_PORTS) if not lo <= p <= hi]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
@@ -62,14 +87,20 @@ class Server:
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL whatever is still alive in it."""
-    if process.poll() is None:
-        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=grace_s)
-    # The launcher may exit before its children: kill whatever is left in the group.
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    """SIGTERM the server's process group, then SIGKILL whatever is still alive in it.
+
+    The SIGKILL is sent even when the grace period is cut short (a second Ctrl-C, a SIGTERM
+    from ``timeout`` after one from the user): the group must not outlive the caller.
+    """
+    try:
+        if process.poll() is None:
+            with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=grace_s)
+    finally:
+        # The launcher may exit before its children: kill whatever is left in the group.
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     if process.poll() is None:
         process.wait(timeout=grace_s)
 
@@ -89,7 +120,12 @@ def wait_healthy(
             if requests.get(f"{url}{health_path}", timeout=5).status_code == 200:
                 return
         except requests.RequestException:
-            pass
+            if "address already in use" in log_tail(log, 5):
+                # SGLang logs the failed bind but its processes stay up: do not wait them out.
+                raise ServerError(
+                    f"{url}: the port was taken before the server could listen on it; "
+                    f"log {log}:\n" + log_tail(log)
+                ) from None
         if time.monotonic() > deadline:
             raise ServerError(
                 f"server not healthy after {timeout_s:.0f} s; log {log}:\n" + log_tail(log)
