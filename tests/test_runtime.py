@@ -103,6 +103,26 @@ def test_pin_from_store_applies_at_next_step(tmp_path):
         runtime.close()
 
 
+def test_a_pin_set_before_start_applies_from_the_first_steps(tmp_path):
+    # The control thread reads the store once at start, then every control_poll_s (a minute
+    # here, the most allowed): a pin made before the server started must not wait a minute.
+    config = _config(tmp_path, control_poll_s=60.0)
+    with get_engine(config.resolved_db_url).begin() as conn:
+        conn.execute(
+            insert(Pin).values(
+                steps=3, topk=1, num_draft_tokens=4, reason="test", created_at=time.time(),
+                created_by="pytest",
+            )
+        )  # fmt: skip
+    runtime = AdaTreeRuntime(config, RUN)
+    try:
+        _wait(lambda: runtime._pending is not None)
+        decision, _ = runtime.decide([10])
+        assert decision.shape == CHAIN and decision.source == "pin"
+    finally:
+        runtime.close()
+
+
 def test_analytic_model_refits_on_measured_steps(tmp_path):
     runtime = AdaTreeRuntime(_config(tmp_path, record_steps=False), None)
     try:
