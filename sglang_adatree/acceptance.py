@@ -42,17 +42,18 @@ measured mostly there, while a chain drafts its deep tokens whatever the confide
 bench's telemetry (steps after the 100th, one run each) the trees that ran most were predicted
 within 3% (2,2,4 1.92 vs 1.94 emitted tokens, 3,4,8 2.27 vs 2.25), the chain 3,1,4 at 1.90 and
 1.92 against 1.50 and 1.61 measured, 4,2,8 at 2.31 against 2.00. So each shape carries a
-correction factor. Each verify step's ratio of emitted tokens to the model's prediction for
-it (as of the last refresh, as the policy saw it) is divided by the recent mix's ratio (the
-same ratio's decayed mean over every speculative step, whatever the shape); a shape's factor is
-the decayed mean of that relative ratio over its own steps, per request, shrunk towards 1 (a
-class's towards the global factor) by ``prior_weight`` pseudo-requests. Relative to the mix,
-because the hazards lag behind a change of acceptance: the step's own ratio then misses for
-every shape alike, and a factor kept from it would outlast the lag. The shapes the data comes
-from set the mix, so their factors stay near 1 and the others' say how far they do better or
-worse than those. A request counts with the model's confidence then (``confidence()``): while
-the hazards are mostly prior, a miss says nothing about the shape. The corrected estimate is
-clipped to ``[1, steps + 1]``.
+correction factor. Each verify step gives the ratio of its emitted tokens to the model's
+prediction for it (as of the last refresh, as the policy saw it), and the recent mix's ratio
+(the same ratio's decayed mean over recent speculative steps of any shape, forgotten
+``MIX_SPEED`` times faster than the counts: about the last 10 at the default decay). A shape's
+factor is the decayed sum of its own steps' ratios over the decayed sum of the mix's at those
+steps, per request, shrunk towards 1 (a class's towards the global factor) by ``prior_weight``
+pseudo-requests. Relative to the mix, because the hazards lag behind a change of acceptance:
+the step's own ratio then misses for every shape alike, and a factor kept from it would outlast
+the lag. The shapes the data comes from set the mix, so their factors stay near 1 and the
+others' say how far they do better or worse than those. A request counts with the model's
+confidence then (``confidence()``): while the hazards are mostly prior, a miss says nothing
+about the shape. The corrected estimate is clipped to ``[1, steps + 1]``.
 
 Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
 on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
@@ -305,11 +306,8 @@ class AcceptanceEstimator:
         if cached is not None:
             return cached
         value = self.model_emitted(shape, request_class)
-        factor = self._factors.get(key, {}).get(shape)
-        if factor is None and key is not None:
-            factor = self._factors[None].get(shape)
-        if factor is not None and shape.speculative:
-            value = min(max(value * factor, 1.0), shape.steps + 1.0)
+        if shape.speculative:
+            value = min(max(value * self.correction(shape, request_class), 1.0), shape.steps + 1.0)
         self._emitted[(key, shape)] = value
         return value
 
@@ -329,7 +327,8 @@ class AcceptanceEstimator:
         return value
 
     def correction(self, shape: TreeShape, request_class: str | None = None) -> float:
-        """The factor ``expected_emitted`` applies to ``model_emitted`` (before clipping)."""
+        """The factor ``expected_emitted`` applies to ``model_emitted`` (before clipping): a
+        class's own, else the global one, else 1 for a shape never measured."""
         key = self._key(request_class)
         factor = self._factors.get(key, {}).get(shape)
         if factor is None and key is not None:
