@@ -57,15 +57,23 @@ DEFAULTS: dict[str, tuple[object, object]] = {
 }
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target``, ``--draft`` and ``--home``, which ``resolve_models`` reads."""
+    parser.add_argument("--target", help="target model folder (default: the bundled target)")
+    parser.add_argument(
+        "--draft", help="draft model folder (default: the bundled EAGLE head or draft)"
+    )
+    parser.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--target", help="target model folder (default: the bundled target)")
-    p.add_argument("--draft", help="draft model folder (default: the bundled EAGLE head or draft)")
-    p.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
+    add_model_arguments(p)
     p.add_argument(
         "--policies",
         help="comma list of ar, static:S,K,N, static:default, static:sweep, sglang-adaptive, "
-        "turbospec, adatree (shapes inside a static item use commas too: 'static:3,1,4')",
+        "turbospec, adatree, adatree:SHAPES (its own candidates, ';'-separated), adatree@S,K,N "
+        "(pinned) (shapes keep their commas: 'static:3,1,4')",
     )
     p.add_argument(
         "--candidate-shapes",

@@ -22,7 +22,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from sglang_adatree.bench.commands import exit_on_signal, resolve_models, split_items
+from sglang_adatree.bench.commands import (
+    add_model_arguments,
+    exit_on_signal,
+    resolve_models,
+    split_items,
+)
 from sglang_adatree.bench.configurations import ServerSettings, parse_configurations
 from sglang_adatree.bench.paired import PairedPlan, machine_load, run_paired, summarize, table_lines
 from sglang_adatree.bench.servers import ServerError
@@ -35,9 +40,7 @@ DEFAULT_POLICIES = "ar,adatree"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--target", help="target model folder (default: the bundled target)")
-    p.add_argument("--draft", help="draft model folder (default: the bundled EAGLE head or draft)")
-    p.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
+    add_model_arguments(p)
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
