@@ -42,16 +42,19 @@ measured mostly there, while a chain drafts its deep tokens whatever the confide
 bench's telemetry (steps after the 100th, one run each) the trees that ran most were predicted
 within 3% (2,2,4 1.92 vs 1.94 emitted tokens, 3,4,8 2.27 vs 2.25), the chain 3,1,4 at 1.90 and
 1.92 against 1.50 and 1.61 measured, 4,2,8 at 2.31 against 2.00. So each shape carries a
-correction factor: the mean, per request, of the ratio of the emitted tokens of its verify
-steps to what the model predicted for them (as of the last refresh, as the policy saw it),
-forgotten ``FACTOR_SPEED`` times faster than the counts and shrunk towards 1 (a class's towards
-the global factor) by ``prior_weight`` pseudo-requests. A request counts with the model's
-confidence then (``confidence()``): while the hazards are mostly prior, a miss says nothing
-about the shape. The factor also takes up the hazards' lag after a change of acceptance: the
-running shape's predictions move to the new level first (a simulated drop from 0.9 to 0.3:
-mean error 0.10 emitted tokens over the next 1,000 steps against the model's 0.24), and the
-factor returns to 1 as the hazards catch up. The corrected estimate is clipped to
-``[1, steps + 1]``.
+correction factor for how far it does better or worse than the model says, relative to the
+shape with the most evidence. A shape's raw factor is the mean, per request, of the ratio of
+the emitted tokens of its verify steps to what the model predicted for them (as of the last
+refresh, as the policy saw it), forgotten ``FACTOR_SPEED`` times faster than the counts and
+shrunk towards 1 (a class's towards the global factor) by ``prior_weight`` pseudo-requests; a
+request counts with the model's confidence then (``confidence()``: while the hazards are
+mostly prior, a miss says nothing about the shape). Every factor is then divided by the raw
+factor of the shape with the most evidence, so that shape is predicted by the hazards alone and
+the level of every estimate stays the hazards': a factor that also moved the level would add
+its own noise to the choice between speculating and not (at batch size 1 it drove the policy
+to no speculation on an unlucky streak, the failure ``acceptance_decay`` is set against), and
+would take up the hazards' lag after a change of acceptance for whichever shape was running.
+The corrected estimate is clipped to ``[1, steps + 1]``.
 
 Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
 on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
@@ -240,12 +243,16 @@ class AcceptanceEstimator:
     def _shape_factors(
         self, stats: _ClassStats, towards: dict[TreeShape, float]
     ) -> dict[TreeShape, float]:
-        """Per measured shape, its ratios' weighted mean shrunk towards ``towards`` (or 1)."""
+        """Per measured shape, its ratios' weighted mean shrunk towards ``towards`` (or 1),
+        divided by that of the shape with the most evidence, whose factor is thus 1."""
         k = self.prior_weight
         out = {}
         for shape, w in stats.ratio_weight.items():
             if w + k > 0:
                 out[shape] = (stats.ratio_sum[shape] + k * towards.get(shape, 1.0)) / (w + k)
+        if out:
+            reference = out[max(out, key=lambda s: stats.ratio_weight[s])]
+            out = {shape: f / reference for shape, f in out.items()}
         return out
 
     def _posterior(self, stats: _ClassStats, prior: np.ndarray) -> np.ndarray:

@@ -231,30 +231,27 @@ def test_a_shape_the_positional_model_overrates_gets_corrected():
     assert est.correction(TreeShape(2, 2, 4)) == 1.0
 
 
-def test_after_a_drop_in_acceptance_the_correction_leads_and_then_fades():
-    # The hazards lag behind a drop; the running shape's factor takes up the lag, so its
-    # estimate reaches the new level first, and returns to 1 once the hazards caught up.
+def test_the_shape_with_the_most_evidence_is_predicted_by_the_hazards_alone():
+    # One shape running through a drop in acceptance: the hazards lag, its own ratio misses
+    # for a while, yet its factor stays 1, so the level of every estimate is the hazards'.
     shape = TreeShape(2, 2, 4)
     est = AcceptanceEstimator(prior=0.5, decay=0.005, refresh_every=16)
     run_synthetic(est, shape, np.full((2, 2), 0.9), steps=600, batch=1, seed=12)
-    assert est.correction(shape) == pytest.approx(1.0, abs=0.05)
-    truth = 1 + 0.3 + 0.3 * 0.7 + 0.3 * 0.3  # 2,2,4 keeps 0.3, 0.21 and 0.09
-    model_errors, corrected_errors = [], []
-    for block in range(20):
+    for block in range(8):
         run_synthetic(est, shape, np.full((2, 2), 0.3), steps=50, batch=1, seed=13 + block)
-        model_errors.append(abs(est.model_emitted(shape) - truth))
-        corrected_errors.append(abs(est.expected_emitted(shape) - truth))
-    assert np.mean(corrected_errors) < 0.6 * np.mean(model_errors)
-    assert est.correction(shape) == pytest.approx(1.0, abs=0.1)
+        assert est.correction(shape) == 1.0
+        assert est.expected_emitted(shape) == est.model_emitted(shape)
 
 
 def test_corrected_estimates_stay_possible():
     # A shape that emitted more than its model predicts is clipped at steps + 1.
     est = AcceptanceEstimator(prior=0.5, prior_weight=0.0, refresh_every=1)
     tree, chain = TreeShape(2, 2, 4), TreeShape(1, 1, 2)
-    for _ in range(50):
+    for i in range(150):
         est.observe(tree, np.array([[2, 0]]), np.array([[-1, -1]]))  # nothing accepted
-        est.observe(chain, np.array([[1]]), np.array([[0]]))  # always accepted
+        if i % 3 == 0:
+            est.observe(chain, np.array([[1]]), np.array([[0]]))  # always accepted
     est.refresh()
-    assert est.correction(chain) > 1.0
-    assert est.expected_emitted(chain) <= 2.0
+    assert est.correction(tree) == 1.0  # the most evidence: the reference
+    assert est.correction(chain) > 2.0 / est.model_emitted(chain)
+    assert est.expected_emitted(chain) == 2.0

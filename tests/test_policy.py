@@ -236,8 +236,10 @@ def test_set_cost_model_switches_to_the_trained_version():
 # 120 ms, acceptance varying by request (uniform 0.2-0.55, mean 0.375): the chain delivers
 # 1.375 tokens per 120 ms, 15% ahead. Each step adds one trial to the acceptance estimate; with
 # 50 steps of evidence (decay 0.02) an unlucky request pushed the policy to no speculation,
-# where nothing is measured, and it stayed there: chain shares of 6-94% over these seeds.
-@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+# where nothing is measured, and it stayed there: chain shares of 6-94% over these seeds. Now
+# the chain keeps 83-97% of the steps over seeds 1-12 (the rest mostly 2,1,3, within 5% of it
+# here), no speculation only the explored 1-3%.
+@pytest.mark.parametrize("seed", range(1, 13))
 def test_batch_one_keeps_a_chain_that_pays_on_average(seed):
     config = AdaTreeConfig(candidate_shapes=(NO_SPEC, TreeShape(1, 1, 2), TreeShape(2, 1, 3)))
     step_time = AnalyticStepTime(c_fixed=100.0, c_bs=0, c_compute=0, c_kv=0, c_spec=0,
@@ -249,7 +251,7 @@ def test_batch_one_keeps_a_chain_that_pays_on_average(seed):
     )
     rng = np.random.default_rng(seed)
     features = StepFeatures(1, 300, 300)
-    chain_steps = steps = 0
+    chain_steps = no_spec_steps = steps = 0
     elapsed_ms = tokens = 0.0
     for _ in range(48):  # requests of 64 tokens
         p = rng.uniform(0.2, 0.55)
@@ -273,5 +275,7 @@ def test_batch_one_keeps_a_chain_that_pays_on_average(seed):
             elapsed_ms += ms
             steps += 1
             chain_steps += shape == TreeShape(1, 1, 2)
-    assert chain_steps / steps > 0.85
+            no_spec_steps += shape == NO_SPEC
+    assert no_spec_steps / steps < 0.05
+    assert chain_steps / steps > 0.8
     assert tokens / elapsed_ms > 0.95 * 1.375 / 120.0
