@@ -277,11 +277,9 @@ class AdaTreeRuntime:
     def _control_loop(self) -> None:
         known_version: int | None = None
         failed_version: int | None = None
-        # The first read at once: a pin or policy version set before the server started applies
+        # Read first, then wait: a pin or policy version set before the server started applies
         # from its first decode steps, not a poll interval later.
-        first = True
-        while first or not self._stop.wait(self.config.control_poll_s):
-            first = False
+        while True:
             pins: tuple[Pin, ...] = self.policy.pins
             cost_model = None
             version = self.policy.policy_version
@@ -324,6 +322,8 @@ class AdaTreeRuntime:
                     cost_model, source = refit, "refit"
             if pins != self.policy.pins or cost_model is not None:
                 self._pending = ControlUpdate(pins, cost_model, version, source)
+            if self._stop.wait(self.config.control_poll_s):
+                return
 
     def _refit(self, force: bool) -> OnlineCostModel | None:
         """The analytic model refitted on this server's measured steps, when there are new ones."""

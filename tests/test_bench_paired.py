@@ -74,7 +74,7 @@ def test_databases_shared_separate_and_pinned(tmp_path):
     assert database_url(ada, tmp_path, shared) == shared
     own = database_url(pinned, tmp_path, shared)
     assert own != shared and own.endswith("telemetry-adatree@2,2,4.sqlite")
-    assert database_url(ada, tmp_path, shared, separate=True).endswith("telemetry-adatree.sqlite")
+    assert database_url(ada, tmp_path, None).endswith("telemetry-adatree.sqlite")
 
     prepare_database(own, pinned)
     prepare_database(own, pinned)  # a re-run in the same work directory adds no second pin

@@ -5,7 +5,7 @@ it. A pin in a database reaches every server that polls it, so a pinned configur
 (``adatree@S,K,N``) gets a SQLite database of its own in the work directory, migrated and
 holding its one pin before the server starts; the others share the run's database
 (``--db``), as servers of one deployment would. ``adatree compare`` runs its servers side by
-side and gives every adatree-served one its own database (``separate=True``): what one learns
+side and gives every adatree-served one its own database (no shared URL): what one learns
 or is pinned to never reaches another.
 
 The pin is written the way the dashboard writes one (``admin.actions.create_pin``: a ``pins``
@@ -23,11 +23,10 @@ from sglang_adatree.telemetry.store import session_scope, upgrade
 PIN_ACTOR = "adatree bench"
 
 
-def database_url(
-    config: Configuration, work_dir: Path, shared_url: str, separate: bool = False
-) -> str:
-    """The database ``config``'s server records to and reads pins from."""
-    if config.pin is None and not separate:
+def database_url(config: Configuration, work_dir: Path, shared_url: str | None) -> str:
+    """The database ``config``'s server records to and reads pins from; ``shared_url`` None:
+    one of its own whatever the configuration (``adatree compare``)."""
+    if config.pin is None and shared_url is not None:
         return shared_url
     return f"sqlite:///{(work_dir / f'telemetry-{config.slug}.sqlite').resolve()}"
 

@@ -188,7 +188,7 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> list[Sample]:
     with ExitStack() as stack:
         servers: dict[str, Server] = {}
         for config in plan.configurations:
-            db_url = database_url(config, plan.work_dir, "", separate=True)
+            db_url = database_url(config, plan.work_dir, shared_url=None)
             if config.kind == "adatree-serve":
                 prepare_database(db_url, config)
             port = free_port()
