@@ -19,6 +19,9 @@ step time``. Each step, in order of precedence:
    ``'fallback'`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``.
 
+The serving loop adds one source of its own, ``catch-up`` (``runtime.AdaTreeRuntime.decide``): a
+step without speculation that brings the draft up to date before a speculative decision runs.
+
 Ties go to the earlier shape in the candidate order. Nothing reads the clock or unseeded
 randomness: given the same features and the same observation history, every tensor-parallel
 rank decides the same shape, provided each rank is fed the same measured step times (measure
@@ -39,9 +42,10 @@ from sglang_adatree.acceptance import AcceptanceEstimator
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.cost_model import CostModel
 from sglang_adatree.features import StepFeatures
-from sglang_adatree.shapes import TreeShape
+from sglang_adatree.shapes import NO_SPEC, TreeShape
 
-SOURCES = ("pin", "model", "fallback", "explore", "warmup")
+SOURCES = ("pin", "model", "fallback", "explore", "warmup", "catch-up")
+CATCH_UP = "catch-up"
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,10 @@ class Policy:
         self.current = self.candidates[best]
         source = "fallback" if self.policy_version is None else "model"
         return self._decision(self.current, source, times, emitted)
+
+    def catch_up(self, features: StepFeatures) -> Decision:
+        """A step without speculation that runs the draft's extend (``source='catch-up'``)."""
+        return Decision(NO_SPEC, CATCH_UP, self.cost_model.predict_ms(features, NO_SPEC), 1.0)
 
     def observe(
         self,

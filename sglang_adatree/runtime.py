@@ -2,7 +2,8 @@
 
 The SGLang worker (``sglang_adatree.sglang.worker``) calls two methods per decode step:
 
-* ``decide(context_lens)`` before the step: features of the batch, then the policy's shape;
+* ``decide(context_lens, draft_behind)`` before the step: features of the batch, then the
+  policy's shape (or first a catch-up step when the draft skipped its extend last step);
 * ``complete_step(...)`` once the step's accept counts reach the CPU (one step late under
   SGLang's overlap scheduler): feeds the cost model and the acceptance estimator, records one
   telemetry row, updates the Prometheus series.
@@ -36,7 +37,7 @@ from sglang_adatree.cost_model import AnalyticStepTime, OnlineCostModel, mape
 from sglang_adatree.cost_table import CostTable, TableGrid
 from sglang_adatree.features import StepFeatures, feature_rows
 from sglang_adatree.metrics import AdaTreeMetrics
-from sglang_adatree.policy import Decision, Pin, Policy
+from sglang_adatree.policy import CATCH_UP, Decision, Pin, Policy
 from sglang_adatree.shapes import TreeShape
 from sglang_adatree.telemetry.control import read_control_state
 from sglang_adatree.telemetry.records import RunRecord, StepRecord
@@ -136,6 +137,7 @@ class AdaTreeRuntime:
         self._measured_total = 0
         self._pending: ControlUpdate | None = None
         self._last_decision: Decision | None = None
+        self._held: Decision | None = None  # a speculative decision waiting for a catch-up
         self._accept_len_ema: float | None = None
         self._last_refit_rows = 0
         self._refit_mape: float | None = None
@@ -150,15 +152,30 @@ class AdaTreeRuntime:
     # -- the decode loop ------------------------------------------------------------------
 
     def decide(
-        self, context_lens: Sequence[int], prefill_tokens: int = 0
+        self, context_lens: Sequence[int], prefill_tokens: int = 0, draft_behind: bool = False
     ) -> tuple[Decision, StepFeatures]:
-        """The shape for a decode step over requests with these context lengths."""
+        """The shape for a decode step over requests with these context lengths.
+
+        ``draft_behind``: the draft of some request in the batch skipped its extend on the
+        last step (a step without speculation under ``skip_idle_draft_extend``), so its next
+        draft input is a placeholder and a speculative step would emit exactly one token for
+        it. Measured on a CPU server before this existed: every exploration from no
+        speculation emitted 1 token, the acceptance estimates learned that, and the policy
+        stayed without speculation for 517 of 645 steps. A speculative decision then waits one
+        step: this step runs as a ``catch-up`` (no speculation, with the draft's extend), and
+        the held decision runs on the next step, without a new policy decision in between.
+        """
         pending = self._pending
         if pending is not None:
             self._pending = None
             self._apply(pending)
         features = StepFeatures.from_context_lens(context_lens, prefill_tokens)
-        decision = self.policy.decide(features)
+        decision, self._held = self._held, None
+        if decision is None:
+            decision = self.policy.decide(features)
+        if draft_behind and decision.shape.speculative:
+            self._held = decision
+            decision = self.policy.catch_up(features)
         self._last_decision = decision
         return decision, features
 
@@ -178,10 +195,14 @@ class AdaTreeRuntime:
             return
         accepted_tokens = int(sum(num_correct_drafts_per_req))
         emitted_tokens = accepted_tokens + batch_size
-        self.policy.observe(
-            features, shape, measured_ms if record_timing else _predicted(decision), stats
-        )
-        if record_timing:
+        # A catch-up step costs a step without speculation plus the draft's extend: teaching
+        # the cost model that as the price of no speculation would make it look dearer.
+        learns = decision.source != CATCH_UP
+        if learns:
+            self.policy.observe(
+                features, shape, measured_ms if record_timing else _predicted(decision), stats
+            )
+        if record_timing and learns:
             self._history.append(_Measured(features, shape, measured_ms))
             self._measured_total += 1
         accept_len = emitted_tokens / batch_size

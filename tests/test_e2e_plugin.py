@@ -4,6 +4,7 @@
   the shape changes every step (a warm-up that never ends cycles chain, trees and no
   speculation; telemetry shows which ran);
 * one telemetry row per decode step; ``/server_info`` and ``/metrics`` carry adatree's state;
+* speculation right after a step without speculation drafts from a caught-up draft;
 * a pin written to the store is obeyed within a second, and clearing it hands control back;
 * sampling (temperature 0.8) completes with well-formed output;
 * bad input is refused at start-up with a message, before any model is loaded.
@@ -118,6 +119,33 @@ def test_one_step_row_per_decode_step(adatree, db_url):
     verify_steps = out["meta_info"]["spec_verify_ct"]
     assert verify_steps > 0
     assert len(_steps_since(db_url, started)) == verify_steps
+
+
+def test_speculation_after_no_speculation_drafts_from_a_caught_up_draft(adatree, db_url):
+    # The warm-up cycles 0 -> 2,2,4 -> 3,1,4 -> 4,4,8. The step without speculation skips the
+    # draft's extend (skip_idle_draft_extend, on by default), so the 2,2,4 after it would draft
+    # from SGLang's placeholder input and accept nothing; a catch-up step comes between.
+    started = time.time()
+    _greedy(adatree)
+    time.sleep(0.5)
+    with get_engine(db_url).connect() as conn:
+        rows = conn.execute(
+            select(Step.steps, Step.decision_source, Step.accepted_tokens)
+            .where(Step.wall_time >= started)
+            .order_by(Step.step_index)
+        ).all()
+    after_catch_up = [
+        rows[i + 1] for i in range(len(rows) - 1) if rows[i].decision_source == "catch-up"
+    ]
+    assert len(after_catch_up) >= 3
+    for i, row in enumerate(rows):
+        if row.decision_source == "catch-up":
+            assert i > 0 and rows[i - 1].steps == 0 and rows[i - 1].decision_source != "catch-up"
+            assert row.steps == 0
+    assert all(r.steps > 0 for r in after_catch_up)
+    # About half of this draft's tokens agree with the target's: from placeholder inputs
+    # (before catch-ups existed) every one of these steps accepted 0 tokens.
+    assert sum(r.accepted_tokens for r in after_catch_up) > 0
 
 
 def test_server_info_and_metrics(adatree):

@@ -200,3 +200,70 @@ def test_unknown_policy_name_is_a_config_error():
         AdaTreeConfig().replace(policy="magic")
     policy = make_policy(AdaTreeConfig(), None, None)  # type: ignore[arg-type]
     assert type(policy).__name__ == "Policy"
+
+
+def test_a_draft_that_skipped_its_extend_catches_up_before_speculating(tmp_path):
+    # Warm-up cycles the candidates in shape order, 0 -> 2,2,4 -> 3,1,4. After the step without
+    # speculation (which skipped the draft's extend) the tree waits one step: a catch-up runs
+    # first, then the held tree, then the warm-up goes on; no decision is lost or repeated.
+    config = _config(tmp_path, record_steps=False, warmup_steps=1000)
+    runtime = AdaTreeRuntime(config, None, control=False)
+    seen = []
+    behind = False
+    for _ in range(7):
+        decision, features = runtime.decide([50], draft_behind=behind)
+        seen.append((str(decision.shape), decision.source))
+        behind = not decision.shape.speculative and decision.source != "catch-up"
+        stats = _stats(1, decision.shape, 1) if decision.shape.speculative else None
+        runtime.complete_step(decision, features, 30.0, [1 if stats else 0], stats)
+    assert seen == [
+        ("0,1,1", "warmup"),
+        ("0,1,1", "catch-up"),
+        ("2,2,4", "warmup"),
+        ("3,1,4", "warmup"),
+        ("0,1,1", "warmup"),
+        ("0,1,1", "catch-up"),
+        ("2,2,4", "warmup"),
+    ]
+    assert runtime.policy.step == 5  # the catch-ups were not policy decisions
+    # Catch-ups cost no speculation plus the draft's extend: not taught as no speculation's
+    # cost, nor counted as measurements of it.
+    assert runtime.policy.measured.tolist() == [2, 2, 1]
+    assert len(runtime._history) == 5
+
+
+def test_without_a_skipped_extend_no_catch_up_runs(tmp_path):
+    config = _config(tmp_path, record_steps=False, warmup_steps=1000)
+    runtime = AdaTreeRuntime(config, None, control=False)
+    sources = []
+    for _ in range(6):
+        decision, features = runtime.decide([50], draft_behind=False)
+        sources.append(decision.source)
+        runtime.complete_step(decision, features, 30.0, [0])
+    assert sources == ["warmup"] * 6
+    # Behind, but the policy chose no speculation: nothing to catch up for.
+    decision, _ = runtime.decide([50], draft_behind=True)
+    assert (str(decision.shape), decision.source) == ("0,1,1", "warmup")
+    decision, _ = runtime.decide([50], draft_behind=True)  # 2,2,4: caught up first
+    assert decision.source == "catch-up"
+    decision, _ = runtime.decide([50], draft_behind=False)
+    assert str(decision.shape) == "2,2,4"
+
+
+def test_a_catch_up_step_is_recorded_with_its_source(tmp_path):
+    runtime = AdaTreeRuntime(_config(tmp_path, warmup_steps=1000), RUN)
+    try:
+        decision, features = runtime.decide([50])  # 0,1,1
+        runtime.complete_step(decision, features, 30.0, [0])
+        decision, features = runtime.decide([50], draft_behind=True)
+        runtime.complete_step(decision, features, 35.0, [0])
+        runtime.writer.flush()
+        with get_engine(runtime.config.resolved_db_url).connect() as conn:
+            rows = conn.execute(
+                select(Step.steps, Step.decision_source, Step.measured_step_ms).order_by(
+                    Step.step_index
+                )
+            ).all()
+        assert [tuple(r) for r in rows] == [(0, "warmup", 30.0), (0, "catch-up", 35.0)]
+    finally:
+        runtime.close()

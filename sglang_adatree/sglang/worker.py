@@ -7,6 +7,11 @@ target's verify backend and, on a GPU, their CUDA graphs. Each decode step it as
 adaptive runtime for a shape, swaps in that shape's state, runs SGLang's own draft / verify /
 draft-extend, and reports what happened when the accept counts reach the CPU.
 
+Draft catch-up: under ``skip_idle_draft_extend`` a step without speculation skips the draft's
+extend, leaving a placeholder draft input (SGLang's "cold recovery"). The worker remembers which
+requests skipped it, and the runtime runs one step without speculation but with the extend
+(``catch-up``) before the next speculative step over them.
+
 Top-k relay: the draft extend of every step produces candidates at the envelope's top-k, and
 each draft slices the prefix it needs (top-k outputs are sorted, so the prefix is exact). That
 keeps the relayed tensors one width whatever the next shape is.
@@ -22,12 +27,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
@@ -36,6 +41,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker, StandaloneWorkerV2
 from sglang.srt.utils.common import get_available_gpu_memory
 
+from sglang_adatree.policy import CATCH_UP
 from sglang_adatree.runtime import broadcast_decision
 from sglang_adatree.sglang.profiling import StepProfiler
 from sglang_adatree.shapes import TreeShape, envelope
@@ -157,9 +163,13 @@ class AdaTreeWorkerMixin:
         self._is_rank0 = get_parallel().tp_rank == 0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
-        if self._runtime.config.skip_idle_draft_extend:
+        self._skip_idle_draft_extend = self._runtime.config.skip_idle_draft_extend
+        # Requests whose draft skipped its extend on the last step: their next draft input is a
+        # placeholder, so the runtime puts a catch-up step before speculating again.
+        self._draft_behind: set[str] = set()
+        if self._skip_idle_draft_extend:
             # SGLang's own switch, read on every step without speculation in this process.
-            os.environ["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] = "1"
+            envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.set(True)
 
     # -- runtime states ---------------------------------------------------------------------
 
@@ -293,11 +303,11 @@ class AdaTreeWorkerMixin:
         # The shape was chosen in forward_batch_generation, with more than the batch size.
         return None
 
-    def _decide(self, batch: Any) -> tuple[Any, Any]:
+    def _decide(self, batch: Any, draft_behind: bool) -> tuple[Any, Any]:
         """Rank 0's decision for this batch, the same on every tensor-parallel rank."""
         # Context lengths come from the requests (host memory, identical on every rank).
         context_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
-        decision, features = self._runtime.decide(context_lens)
+        decision, features = self._runtime.decide(context_lens, draft_behind=draft_behind)
         return broadcast_decision(decision, get_parallel().tp_group), features
 
     def _decode_step(self, run_step: Any, batch: Any) -> Any:
@@ -305,9 +315,12 @@ class AdaTreeWorkerMixin:
         # GPU, device events bracket the step's work without a sync.
         self._profiler.begin()
         started = time.perf_counter()
-        decision, features = self._decide(batch)
+        rids = [r.rid for r in batch.reqs]
+        decision, features = self._decide(batch, not self._draft_behind.isdisjoint(rids))
         self._apply_shape(decision.shape)
         shape = decision.shape
+        catch_up = decision.source == CATCH_UP
+        skips_extend = self._skip_idle_draft_extend and not shape.speculative and not catch_up
         start_event = end_event = None
         if not self._on_cpu:
             device_module = torch.get_device_module(self.device)
@@ -316,7 +329,15 @@ class AdaTreeWorkerMixin:
             start_event.record()
         dw = self._draft_worker
         dw.last_top_scores_index = dw.last_verify_input = None
-        output = run_step()
+        if catch_up:
+            # SGLang reads its switch on every step: this one runs the draft's extend.
+            with envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.override(False):
+                output = run_step()
+        else:
+            output = run_step()
+        # Requests left in a re-prefilled or finished state need no catch-up: prefill runs the
+        # draft's extend, so only this batch's requests can be behind after this step.
+        self._draft_behind = set(rids) if skips_extend else set()
         finished = None
         if end_event is not None:
             end_event.record()
