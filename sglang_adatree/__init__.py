@@ -15,7 +15,7 @@ Glossary (the same words are used in code, database columns, API fields and char
 * acceptance length: mean emitted tokens per request per verify step.
 * goodput: emitted tokens per second of step time (batch total).
 * decision source: why a shape was chosen: ``pin``, ``model``, ``fallback``, ``explore``,
-  ``warmup``.
+  ``warmup``, ``catch-up`` (the draft's extend before speculating again).
 * policy version: one trained cost model + acceptance prior, stored with its validation metrics.
 """
 

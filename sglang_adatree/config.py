@@ -204,8 +204,9 @@ SETTINGS: tuple[Setting, ...] = (
         "skip_idle_draft_extend",
         True,
         "true / false",
-        "steps without speculation skip the draft's KV catch-up (no cost over plain decoding; "
-        "a request drafts worse after speculation resumes)",
+        "steps without speculation skip the draft's extend (no cost over plain decoding); the "
+        "first speculative step after them runs as a catch-up step (no speculation, with the "
+        "extend), and the draft's cache keeps gaps where it skipped",
         _bool,
     ),
     Setting(

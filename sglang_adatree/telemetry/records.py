@@ -43,7 +43,7 @@ class StepRecord:
     steps: int
     topk: int
     num_draft_tokens: int
-    decision_source: str  # pin, model, fallback, explore or warmup (policy.SOURCES)
+    decision_source: str  # one of policy.SOURCES
     policy_version: int | None
     predicted_step_ms: float | None
     measured_step_ms: float
