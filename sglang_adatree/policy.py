@@ -44,8 +44,8 @@ from sglang_adatree.cost_model import CostModel
 from sglang_adatree.features import StepFeatures
 from sglang_adatree.shapes import NO_SPEC, TreeShape
 
-SOURCES = ("pin", "model", "fallback", "explore", "warmup", "catch-up")
-CATCH_UP = "catch-up"
+CATCH_UP = "catch-up"  # the serving loop's own source, see the module docstring
+SOURCES = ("pin", "model", "fallback", "explore", "warmup", CATCH_UP)
 
 
 @dataclass(frozen=True)

@@ -335,8 +335,8 @@ class AdaTreeWorkerMixin:
                 output = run_step()
         else:
             output = run_step()
-        # Requests left in a re-prefilled or finished state need no catch-up: prefill runs the
-        # draft's extend, so only this batch's requests can be behind after this step.
+        # Only this batch's requests can be behind after this step: a request that leaves the
+        # batch finishes, or comes back through a prefill, which runs the draft's extend.
         self._draft_behind = set(rids) if skips_extend else set()
         finished = None
         if end_event is not None:
