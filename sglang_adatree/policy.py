@@ -42,7 +42,7 @@ from sglang_adatree.acceptance import AcceptanceEstimator
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.cost_model import CostModel
 from sglang_adatree.features import StepFeatures
-from sglang_adatree.shapes import NO_SPEC, TreeShape
+from sglang_adatree.shapes import TreeShape
 
 CATCH_UP = "catch-up"  # the serving loop's own source, see the module docstring
 SOURCES = ("pin", "model", "fallback", "explore", "warmup", CATCH_UP)
@@ -154,10 +154,6 @@ class Policy:
         self.current = self.candidates[best]
         source = "fallback" if self.policy_version is None else "model"
         return self._decision(self.current, source, times, emitted)
-
-    def catch_up(self, features: StepFeatures) -> Decision:
-        """A step without speculation that runs the draft's extend (``source='catch-up'``)."""
-        return Decision(NO_SPEC, CATCH_UP, self.cost_model.predict_ms(features, NO_SPEC), 1.0)
 
     def observe(
         self,

@@ -38,7 +38,7 @@ from sglang_adatree.cost_table import CostTable, TableGrid
 from sglang_adatree.features import StepFeatures, feature_rows
 from sglang_adatree.metrics import AdaTreeMetrics
 from sglang_adatree.policy import CATCH_UP, Decision, Pin, Policy
-from sglang_adatree.shapes import TreeShape
+from sglang_adatree.shapes import NO_SPEC, TreeShape
 from sglang_adatree.telemetry.control import read_control_state
 from sglang_adatree.telemetry.records import RunRecord, StepRecord
 from sglang_adatree.telemetry.writer import TelemetryWriter
@@ -175,7 +175,9 @@ class AdaTreeRuntime:
             decision = self.policy.decide(features)
         if draft_behind and decision.shape.speculative:
             self._held = decision
-            decision = self.policy.catch_up(features)
+            # Any policy's, baselines' included: its cost model prices the step as no speculation.
+            predicted_ms = self.policy.cost_model.predict_ms(features, NO_SPEC)
+            decision = Decision(NO_SPEC, CATCH_UP, predicted_ms, 1.0)
         self._last_decision = decision
         return decision, features
 

@@ -267,3 +267,15 @@ def test_a_catch_up_step_is_recorded_with_its_source(tmp_path):
         assert [tuple(r) for r in rows] == [(0, "warmup", 30.0), (0, "catch-up", 35.0)]
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("policy", ["turbospec", "sglang-adaptive"])
+def test_baseline_policies_catch_up_too(tmp_path, policy):
+    # The baselines share the serving loop, so their speculation after no speculation waits
+    # for a catch-up as adatree's does (they choose among chains and no speculation).
+    config = _config(tmp_path, record_steps=False, policy=policy, candidate_shapes="0;1,1,2;3,1,4")
+    runtime = AdaTreeRuntime(config, None, control=False)
+    decision, _ = runtime.decide([50], draft_behind=True)  # both start on the 3-step chain
+    assert (str(decision.shape), decision.source) == ("0,1,1", "catch-up")
+    decision, _ = runtime.decide([50], draft_behind=False)
+    assert decision.shape == CHAIN and decision.source != "catch-up"
