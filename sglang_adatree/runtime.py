@@ -137,7 +137,8 @@ class AdaTreeRuntime:
         self._measured_total = 0
         self._pending: ControlUpdate | None = None
         self._last_decision: Decision | None = None
-        self._held: Decision | None = None  # a speculative decision waiting for a catch-up
+        # A speculative decision waiting for a catch-up, with its batch's context lengths.
+        self._held: tuple[Decision, list[int]] | None = None
         self._accept_len_ema: float | None = None
         self._last_refit_rows = 0
         self._refit_mape: float | None = None
@@ -163,18 +164,25 @@ class AdaTreeRuntime:
         speculation emitted 1 token, the acceptance estimates learned that, and the policy
         stayed without speculation for 517 of 645 steps. A speculative decision then waits one
         step: this step runs as a ``catch-up`` (no speculation, with the draft's extend), and
-        the held decision runs on the next step, without a new policy decision in between.
+        the held decision runs on the next step, without a new policy decision in between, if
+        that step continues the same batch (every context one token longer, as after a step
+        without speculation) and no operator update came in between; otherwise it is dropped
+        (a pin must win at once, and a new batch gets its own decision).
         """
         pending = self._pending
+        held, self._held = self._held, None
         if pending is not None:
             self._pending = None
             self._apply(pending)
+            held = None
         features = StepFeatures.from_context_lens(context_lens, prefill_tokens)
-        decision, self._held = self._held, None
+        decision = None
+        if held is not None and sorted(context_lens) == [n + 1 for n in held[1]]:
+            decision = held[0]
         if decision is None:
             decision = self.policy.decide(features)
         if draft_behind and decision.shape.speculative:
-            self._held = decision
+            self._held = (decision, sorted(context_lens))
             # Any policy's, baselines' included: its cost model prices the step as no speculation.
             predicted_ms = self.policy.cost_model.predict_ms(features, NO_SPEC)
             decision = Decision(NO_SPEC, CATCH_UP, predicted_ms, 1.0)

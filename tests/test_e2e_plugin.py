@@ -26,6 +26,7 @@ from sglang_servers import (
 )
 from sqlalchemy import func, insert, select, update
 
+from sglang_adatree.policy import SOURCES
 from sglang_adatree.telemetry.models import Pin, Run, Step
 from sglang_adatree.telemetry.store import get_engine, upgrade
 
@@ -152,7 +153,7 @@ def test_server_info_and_metrics(adatree):
     _greedy(adatree, PROMPTS[:1], 8)
     state = adatree.server_info()["internal_states"][0]
     assert state["adatree_shape"] in [*CANDIDATES.split(";"), "0,1,1"]
-    assert state["adatree_decision_source"] in ("pin", "model", "fallback", "explore", "warmup")
+    assert state["adatree_decision_source"] in SOURCES
     assert "adatree_policy_version" in state
     assert state["adatree_recent_accept_length"] >= 1.0
     metrics = requests.get(f"{adatree.url}/metrics", timeout=30).text

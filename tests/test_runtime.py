@@ -10,7 +10,8 @@ import torch
 from sqlalchemy import insert, select
 
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.runtime import AdaTreeRuntime, accepted_counts, make_policy
+from sglang_adatree.policy import Pin as PolicyPin
+from sglang_adatree.runtime import AdaTreeRuntime, ControlUpdate, accepted_counts, make_policy
 from sglang_adatree.shapes import TreeShape
 from sglang_adatree.telemetry.models import Pin, Step
 from sglang_adatree.telemetry.records import RunRecord
@@ -210,12 +211,14 @@ def test_a_draft_that_skipped_its_extend_catches_up_before_speculating(tmp_path)
     runtime = AdaTreeRuntime(config, None, control=False)
     seen = []
     behind = False
+    context = 50
     for _ in range(7):
-        decision, features = runtime.decide([50], draft_behind=behind)
+        decision, features = runtime.decide([context], draft_behind=behind)
         seen.append((str(decision.shape), decision.source))
         behind = not decision.shape.speculative and decision.source != "catch-up"
         stats = _stats(1, decision.shape, 1) if decision.shape.speculative else None
         runtime.complete_step(decision, features, 30.0, [1 if stats else 0], stats)
+        context += 2 if stats else 1
     assert seen == [
         ("0,1,1", "warmup"),
         ("0,1,1", "catch-up"),
@@ -244,10 +247,28 @@ def test_without_a_skipped_extend_no_catch_up_runs(tmp_path):
     # Behind, but the policy chose no speculation: nothing to catch up for.
     decision, _ = runtime.decide([50], draft_behind=True)
     assert (str(decision.shape), decision.source) == ("0,1,1", "warmup")
-    decision, _ = runtime.decide([50], draft_behind=True)  # 2,2,4: caught up first
+    decision, _ = runtime.decide([51], draft_behind=True)  # 2,2,4: caught up first
     assert decision.source == "catch-up"
-    decision, _ = runtime.decide([50], draft_behind=False)
+    decision, _ = runtime.decide([52], draft_behind=False)
     assert str(decision.shape) == "2,2,4"
+
+
+def test_a_held_decision_is_dropped_for_another_batch_or_a_pin(tmp_path):
+    config = _config(tmp_path, record_steps=False, warmup_steps=1000)
+    runtime = AdaTreeRuntime(config, None, control=False)
+    runtime.decide([50, 70])  # 0,1,1
+    decision, _ = runtime.decide([51, 71], draft_behind=True)  # 2,2,4 held
+    assert decision.source == "catch-up"
+    # The batch changed (a request finished, another joined): a decision of its own.
+    decision, _ = runtime.decide([52, 30], draft_behind=False)
+    assert (str(decision.shape), decision.source) == ("3,1,4", "warmup")
+    # An operator's pin arriving between the catch-up and the held step wins at once.
+    runtime.decide([53, 31])  # 0,1,1
+    decision, _ = runtime.decide([54, 32], draft_behind=True)  # 2,2,4 held
+    assert decision.source == "catch-up"
+    runtime._pending = ControlUpdate((PolicyPin(CHAIN),), None, None, "")
+    decision, _ = runtime.decide([55, 33], draft_behind=False)
+    assert (decision.shape, decision.source) == (CHAIN, "pin")
 
 
 def test_a_catch_up_step_is_recorded_with_its_source(tmp_path):
@@ -255,7 +276,7 @@ def test_a_catch_up_step_is_recorded_with_its_source(tmp_path):
     try:
         decision, features = runtime.decide([50])  # 0,1,1
         runtime.complete_step(decision, features, 30.0, [0])
-        decision, features = runtime.decide([50], draft_behind=True)
+        decision, features = runtime.decide([51], draft_behind=True)
         runtime.complete_step(decision, features, 35.0, [0])
         runtime.writer.flush()
         with get_engine(runtime.config.resolved_db_url).connect() as conn:
@@ -277,5 +298,5 @@ def test_baseline_policies_catch_up_too(tmp_path, policy):
     runtime = AdaTreeRuntime(config, None, control=False)
     decision, _ = runtime.decide([50], draft_behind=True)  # both start on the 3-step chain
     assert (str(decision.shape), decision.source) == ("0,1,1", "catch-up")
-    decision, _ = runtime.decide([50], draft_behind=False)
+    decision, _ = runtime.decide([51], draft_behind=False)
     assert decision.shape == CHAIN and decision.source != "catch-up"
