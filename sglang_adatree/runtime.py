@@ -166,8 +166,8 @@ class AdaTreeRuntime:
         step: this step runs as a ``catch-up`` (no speculation, with the draft's extend), and
         the held decision runs on the next step, without a new policy decision in between, if
         that step continues the same batch (every context one token longer, as after a step
-        without speculation) and no operator update came in between; otherwise it is dropped
-        (a pin must win at once, and a new batch gets its own decision).
+        without speculation) and no control update (pins, a new cost model) came in between;
+        otherwise it is dropped (a pin must win at once, and a new batch gets its own decision).
         """
         pending = self._pending
         held, self._held = self._held, None
