@@ -176,10 +176,9 @@ class AdaTreeRuntime:
             self._apply(pending)
             held = None
         features = StepFeatures.from_context_lens(context_lens, prefill_tokens)
-        decision = None
         if held is not None and sorted(context_lens) == [n + 1 for n in held[1]]:
             decision = held[0]
-        if decision is None:
+        else:
             decision = self.policy.decide(features)
         if draft_behind and decision.shape.speculative:
             self._held = (decision, sorted(context_lens))

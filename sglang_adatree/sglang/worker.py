@@ -163,11 +163,10 @@ class AdaTreeWorkerMixin:
         self._is_rank0 = get_parallel().tp_rank == 0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
-        self._skip_idle_draft_extend = self._runtime.config.skip_idle_draft_extend
         # Requests whose draft skipped its extend on the last step: their next draft input is a
         # placeholder, so the runtime puts a catch-up step before speculating again.
         self._draft_behind: set[str] = set()
-        if self._skip_idle_draft_extend:
+        if self._runtime.config.skip_idle_draft_extend:
             # SGLang's own switch, read on every step without speculation in this process.
             envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.set(True)
 
@@ -320,7 +319,9 @@ class AdaTreeWorkerMixin:
         self._apply_shape(decision.shape)
         shape = decision.shape
         catch_up = decision.source == CATCH_UP
-        skips_extend = self._skip_idle_draft_extend and not shape.speculative and not catch_up
+        skips_extend = (
+            self._runtime.config.skip_idle_draft_extend and not shape.speculative and not catch_up
+        )
         start_event = end_event = None
         if not self._on_cpu:
             device_module = torch.get_device_module(self.device)
@@ -329,11 +330,9 @@ class AdaTreeWorkerMixin:
             start_event.record()
         dw = self._draft_worker
         dw.last_top_scores_index = dw.last_verify_input = None
-        if catch_up:
-            # SGLang reads its switch on every step: this one runs the draft's extend.
-            with envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.override(False):
-                output = run_step()
-        else:
+        # SGLang reads its switch on every step: a catch-up runs the draft's extend.
+        switch = envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND
+        with switch.override(False) if catch_up else contextlib.nullcontext():
             output = run_step()
         # Only this batch's requests can be behind after this step: a request that leaves the
         # batch finishes, or comes back through a prefill, which runs the draft's extend.
