@@ -82,12 +82,11 @@ def _reference(q, keys, values, allowed):
 
 
 def _qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random flat q [rows, H*D], k and v [rows, KVH*D], as a layer hands them over."""
-    return (
-        torch.randn(rows, HEADS * DIM),
-        torch.randn(rows, KV_HEADS * DIM),
-        torch.randn(rows, KV_HEADS * DIM),
-    )
+    """Random flat q [rows, H*D], k and v [rows, KVH*D], as a layer hands them over: views
+    of one fused projection (rows strided by the fused width, not contiguous)."""
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM)
+    q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
+    return q, k, v
 
 
 def _fill_cache(runner, req: int, length: int) -> None:
@@ -119,6 +118,8 @@ def test_extend_matches_reference_with_prefix_and_padding():
     n = int(extend.sum())
     q, k, v = _qkv(n)
     backend.init_forward_metadata(fb)
+    # Unequal new-token counts: queries are gathered per request and scattered back.
+    assert not backend.forward_metadata.dense
     out = backend.forward_extend(q, k, v, LAYER, fb).view(n, HEADS, DIM)
     pool = runner.token_to_kv_pool
     row = 0
@@ -159,6 +160,8 @@ def test_verify_applies_the_tree_mask(layout):
     )
     q, k, v = _qkv(2 * n)
     backend.init_forward_metadata(fb)
+    # n tokens for every request: queries and outputs are views of the flat rows.
+    assert backend.forward_metadata.dense
     out = backend.forward_extend(q, k, v, LAYER, fb).view(2 * n, HEADS, DIM)
     pool = runner.token_to_kv_pool
     for b, (r, p) in enumerate(zip(reqs.tolist(), prefix.tolist(), strict=True)):
@@ -194,6 +197,7 @@ def test_one_token_verify_matches_decode_attention(prefix):
     q, k, v = _qkv(2)
     backend.init_forward_metadata(fb)
     assert (backend.forward_metadata.mask is None) == (prefix[0] == prefix[1])
+    assert backend.forward_metadata.dense
     out = backend.forward_extend(q, k, v, LAYER, fb).view(2, HEADS, DIM)
     pool = runner.token_to_kv_pool
     for b, (r, p) in enumerate(zip(reqs.tolist(), prefix, strict=True)):

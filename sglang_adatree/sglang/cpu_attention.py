@@ -8,7 +8,10 @@ one batched ``scaled_dot_product_attention`` over the gathered keys. Keys are ga
 and a forward in which every query may see every key runs without a mask (a decode whose rows
 all have the same length, a verify of one token per request: batch size 1 always does): there
 a masked SDPA call costs two to three times an unmasked one. Extend-like forwards gather their
-keys after writing the new tokens' K/V to the cache, prefix and new slots in one gather.
+keys after writing the new tokens' K/V to the cache, prefix and new slots in one gather; when
+every request brings the same number of new tokens (every verify), queries and outputs are
+views of the flat rows instead of a gather and a scatter per layer (which made a one-token
+verify, adatree's step without speculation, cost ~1.3x a decode's attention).
 
 * extend (prefill, draft extend, mixed): keys = the request's cached prefix + its new tokens
   (causal among the new tokens);
@@ -52,6 +55,10 @@ class ExtendMetadata:
     # without speculation): SDPA without a mask is the decode path's cost
     mask: torch.Tensor | None
     num_tokens: int
+    # Every request has max_q new tokens (a verify; a prefill of equal lengths): the flat
+    # input is then [batch * max_q] rows in request order, and queries and outputs are views
+    # of it rather than a gather and a masked scatter per layer.
+    dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,7 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
             token_valid=token_valid,
             mask=_mask_if_needed(mask),
             num_tokens=int(q_lens.sum()),
+            dense=bool(token_valid.all()),
         )
 
     # -- forward ----------------------------------------------------------------------------
@@ -254,6 +262,10 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
             prefix_values = _gather_slots(value_cache, meta.prefix_slots).to(q_.dtype)
             keys = torch.cat([prefix_keys, _gather_slots(k_new, idx)], dim=1)
             values = torch.cat([prefix_values, _gather_slots(v_new, idx)], dim=1)
+        if meta.dense and q_.shape[0] == meta.num_tokens:
+            queries = q_.view(*idx.shape, heads, layer.qk_head_dim)  # [batch, max_q, H, D]
+            out = _attend(queries, keys, values, meta.mask, layer.scaling)
+            return out.reshape(q_.shape[0], heads * layer.v_head_dim)
         out = _attend(_gather_slots(q_, idx), keys, values, meta.mask, layer.scaling)
         # out: [batch, max_q, H, Dv]
         o = q.new_empty((q_.shape[0], heads, layer.v_head_dim))

@@ -1,0 +1,158 @@
+"""Time the CPU attention backend's decode and verify forwards at the bundled target's sizes.
+
+adatree runs a step without speculation as a verify of one token per request, so its attention
+should cost what a decode's does. For each context length this times one forward of all 30
+layers (9 query heads, 3 KV heads, head dim 64, batch 1, two threads) in decode mode and as a
+verify of 1 and of 4 tokens, interleaved, and prints the medians of 30 rounds and each
+verify's ratio to the decode. The backend runs on small stand-ins for SGLang's runner, KV pool
+and forward batch (the real ones need a server); the real server runs it in
+``tests/test_e2e_cpu_path.py``.
+
+Usage: ``.venv/bin/python scripts/bench_cpu_attention.py [--lens 100 300 600] [--threads 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from sglang_adatree.sglang.cpu_attention import AdaTreeCpuAttnBackend
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+POOL_SLOTS = 8192
+
+
+class _Pool:
+    """Token-indexed K/V buffers with the interface the backend reads (one layer's worth)."""
+
+    def __init__(self) -> None:
+        self.k = torch.randn(POOL_SLOTS, KV_HEADS, HEAD_DIM)
+        self.v = torch.randn(POOL_SLOTS, KV_HEADS, HEAD_DIM)
+
+    def set_kv_buffer(self, layer: object, loc: object, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[loc.loc] = k.view(-1, KV_HEADS, HEAD_DIM)
+        self.v[loc.loc] = v.view(-1, KV_HEADS, HEAD_DIM)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v
+
+
+class _Mode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_idle(self) -> bool:
+        return False
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_target_verify(self) -> bool:
+        return self.name == "verify"
+
+
+LAYER = SimpleNamespace(
+    tp_q_head_num=HEADS,
+    tp_k_head_num=KV_HEADS,
+    qk_head_dim=HEAD_DIM,
+    v_head_dim=HEAD_DIM,
+    scaling=HEAD_DIM**-0.5,
+    layer_id=0,
+)
+
+
+def _qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [rows, H*D], k and v [rows, KVH*D]: views of one fused projection, as in a layer."""
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    return q, k, v
+
+
+def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """One 30-layer attention forward per mode over a request with this many cached tokens."""
+    req_to_token = torch.arange(POOL_SLOTS // 2, dtype=torch.int32).view(1, -1)
+    runner = SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        token_to_kv_pool=_Pool(),
+        kv_index_translator=None,
+        sliding_window_size=None,
+    )
+    backend = AdaTreeCpuAttnBackend(runner)
+    req = torch.tensor([0])
+
+    def decode() -> torch.Tensor:
+        batch = SimpleNamespace(
+            forward_mode=_Mode("decode"),
+            req_pool_indices=req,
+            seq_lens=torch.tensor([context_len + 1]),
+            out_cache_loc=torch.tensor([context_len]),
+        )
+        return run(batch, backend.forward_decode, 1)
+
+    def verify(n: int) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            batch = SimpleNamespace(
+                forward_mode=_Mode("verify"),
+                req_pool_indices=req,
+                seq_lens=torch.tensor([context_len]),
+                out_cache_loc=torch.arange(context_len, context_len + n),
+                # a chain's tree mask in SGLang's QLEN_ONLY layout: each token sees its ancestors
+                spec_info=SimpleNamespace(
+                    draft_token_num=n,
+                    custom_mask=torch.ones(n, n, dtype=torch.bool).tril().flatten(),
+                ),
+            )
+            return run(batch, backend.forward_extend, n)
+
+        return call
+
+    def run(batch: SimpleNamespace, fwd: Callable[..., torch.Tensor], rows: int) -> torch.Tensor:
+        q, k, v = _qkv(rows)
+        backend.init_forward_metadata(batch)
+        out = q
+        for _ in range(LAYERS):
+            out = fwd(q, k, v, LAYER, batch)
+        return out
+
+    return {"decode": decode, "verify 1": verify(1), "verify 4": verify(4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lens", type=int, nargs="+", default=[100, 300, 600])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    if any(not 1 <= n <= POOL_SLOTS // 2 - 8 for n in args.lens):
+        parser.error(f"--lens must lie in 1..{POOL_SLOTS // 2 - 8}")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"{LAYERS} layers, batch 1, {args.threads} threads; median ms of {args.rounds} rounds")
+    for context_len in args.lens:
+        calls = forwards(context_len)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                tic = time.perf_counter()
+                call()
+                times[name].append((time.perf_counter() - tic) * 1000.0)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        ratios = ", ".join(
+            f"{name} {med[name]:.2f} ({med[name] / med['decode']:.2f}x)"
+            for name in calls
+            if name != "decode"
+        )
+        print(f"context {context_len}: decode {med['decode']:.2f}, {ratios}")
+
+
+if __name__ == "__main__":
+    main()
