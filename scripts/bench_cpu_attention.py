@@ -15,65 +15,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from sglang_adatree.sglang.cpu_attention import AdaTreeCpuAttnBackend
 
+# The stand-ins the backend's unit tests use, from the repository's tests folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from attention_fakes import FakePool, Mode, attention_layer, fused_qkv
+
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 POOL_SLOTS = 8192
 
 
-class _Pool:
-    """Token-indexed K/V buffers with the interface the backend reads (one layer's worth)."""
-
-    def __init__(self) -> None:
-        self.k = torch.randn(POOL_SLOTS, KV_HEADS, HEAD_DIM)
-        self.v = torch.randn(POOL_SLOTS, KV_HEADS, HEAD_DIM)
-
-    def set_kv_buffer(self, layer: object, loc: object, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[loc.loc] = k.view(-1, KV_HEADS, HEAD_DIM)
-        self.v[loc.loc] = v.view(-1, KV_HEADS, HEAD_DIM)
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v
-
-
-class _Mode:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def is_idle(self) -> bool:
-        return False
-
-    def is_decode(self) -> bool:
-        return self.name == "decode"
-
-    def is_target_verify(self) -> bool:
-        return self.name == "verify"
-
-
-LAYER = SimpleNamespace(
-    tp_q_head_num=HEADS,
-    tp_k_head_num=KV_HEADS,
-    qk_head_dim=HEAD_DIM,
-    v_head_dim=HEAD_DIM,
-    scaling=HEAD_DIM**-0.5,
-    layer_id=0,
-)
-
-
-def _qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [rows, H*D], k and v [rows, KVH*D]: views of one fused projection, as in a layer."""
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
-    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
-    return q, k, v
+LAYER = attention_layer(HEADS, KV_HEADS, HEAD_DIM)
 
 
 def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -82,7 +42,7 @@ def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
     runner = SimpleNamespace(
         device="cpu",
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-        token_to_kv_pool=_Pool(),
+        token_to_kv_pool=FakePool(POOL_SLOTS, KV_HEADS, HEAD_DIM, fill="randn"),
         kv_index_translator=None,
         sliding_window_size=None,
     )
@@ -91,7 +51,7 @@ def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
 
     def decode() -> torch.Tensor:
         batch = SimpleNamespace(
-            forward_mode=_Mode("decode"),
+            forward_mode=Mode("decode"),
             req_pool_indices=req,
             seq_lens=torch.tensor([context_len + 1]),
             out_cache_loc=torch.tensor([context_len]),
@@ -101,7 +61,7 @@ def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
     def verify(n: int) -> Callable[[], torch.Tensor]:
         def call() -> torch.Tensor:
             batch = SimpleNamespace(
-                forward_mode=_Mode("verify"),
+                forward_mode=Mode("verify"),
                 req_pool_indices=req,
                 seq_lens=torch.tensor([context_len]),
                 out_cache_loc=torch.arange(context_len, context_len + n),
@@ -116,7 +76,7 @@ def forwards(context_len: int) -> dict[str, Callable[[], torch.Tensor]]:
         return call
 
     def run(batch: SimpleNamespace, fwd: Callable[..., torch.Tensor], rows: int) -> torch.Tensor:
-        q, k, v = _qkv(rows)
+        q, k, v = fused_qkv(rows, HEADS, KV_HEADS, HEAD_DIM)
         backend.init_forward_metadata(batch)
         out = q
         for _ in range(LAYERS):

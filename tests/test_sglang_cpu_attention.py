@@ -1,14 +1,14 @@
 """The CPU attention backend against per-request reference attention.
 
-SGLang objects (runner, KV pool, forward batch, layer) are small fakes here; the end-to-end
-tests run the backend inside a real SGLang server.
+SGLang objects (runner, KV pool, forward batch, layer) are small fakes (``attention_fakes``);
+the end-to-end tests run the backend inside a real SGLang server.
 """
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
+from attention_fakes import FakePool, Mode, attention_layer, fused_qkv
 
 from sglang_adatree.sglang.cpu_attention import (
     AdaTreeCpuAttnBackend,
@@ -19,46 +19,7 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 torch.manual_seed(0)
 
 
-class FakePool:
-    """Token-indexed K/V buffers with SGLang's pool interface (one layer)."""
-
-    def __init__(self, slots: int) -> None:
-        self.k = torch.zeros(slots, KV_HEADS, DIM)
-        self.v = torch.zeros(slots, KV_HEADS, DIM)
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[loc.loc] = k.view(-1, KV_HEADS, DIM)
-        self.v[loc.loc] = v.view(-1, KV_HEADS, DIM)
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v
-
-
-@dataclass
-class Mode:
-    name: str
-
-    def is_idle(self) -> bool:
-        return False
-
-    def is_decode(self) -> bool:
-        return self.name == "decode"
-
-    def is_target_verify(self) -> bool:
-        return self.name == "verify"
-
-
-LAYER = SimpleNamespace(
-    tp_q_head_num=HEADS,
-    tp_k_head_num=KV_HEADS,
-    qk_head_dim=DIM,
-    v_head_dim=DIM,
-    scaling=DIM**-0.5,
-    layer_id=0,
-)
+LAYER = attention_layer(HEADS, KV_HEADS, DIM)
 
 
 def _runner(slots: int = 400, reqs: int = 4, width: int = 64):
@@ -66,7 +27,7 @@ def _runner(slots: int = 400, reqs: int = 4, width: int = 64):
     return SimpleNamespace(
         device="cpu",
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-        token_to_kv_pool=FakePool(slots),
+        token_to_kv_pool=FakePool(slots, KV_HEADS, DIM),
         kv_index_translator=None,
         sliding_window_size=None,
     )
@@ -82,11 +43,7 @@ def _reference(q, keys, values, allowed):
 
 
 def _qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random flat q [rows, H*D], k and v [rows, KVH*D], as a layer hands them over: views
-    of one fused projection (rows strided by the fused width, not contiguous)."""
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM)
-    q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
-    return q, k, v
+    return fused_qkv(rows, HEADS, KV_HEADS, DIM)
 
 
 def _fill_cache(runner, req: int, length: int) -> None:
