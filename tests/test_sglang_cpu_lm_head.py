@@ -1,13 +1,23 @@
 """The CPU path's lm_head product: the same logits as SGLang's, taken over only where its
-plain fp32 product of 2-4 rows would run."""
+plain fp32 product of 1-4 rows would run; one row over a transposed copy of the weight that
+every SGLang weight update drops."""
 
+import importlib
 import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sglang_adatree.sglang.cpu import LM_HEAD_MIN_VOCAB, _lm_head, lm_head_logits
+from sglang_adatree.sglang import cpu
+from sglang_adatree.sglang.cpu import (
+    LM_HEAD_MIN_VOCAB,
+    WEIGHT_UPDATES,
+    _lm_head,
+    _weights_updated,
+    lm_head_logits,
+    transposed_weight,
+)
 
 
 class _Head(torch.nn.Module):
@@ -48,8 +58,8 @@ def test_lm_head_logits_is_the_plain_product(rows):
     torch.testing.assert_close(out, hidden @ weight.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4])
-def test_the_hook_takes_over_fp32_products_of_2_to_4_rows(rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_hook_takes_over_fp32_products_of_1_to_4_rows(rows):
     torch.manual_seed(0)
     head = _Head(LM_HEAD_MIN_VOCAB + 8, 32)
     hidden = torch.randn(rows, 32)
@@ -64,7 +74,6 @@ def test_the_hook_takes_over_fp32_products_of_2_to_4_rows(rows):
 @pytest.mark.parametrize(
     ("rows", "vocab", "dtype", "processor"),
     [
-        (1, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # one row: MKL's product is already fast
         (5, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # more rows: no gain measured
         (2, LM_HEAD_MIN_VOCAB - 1, torch.float32, {}),  # a small vocabulary
         (2, LM_HEAD_MIN_VOCAB, torch.bfloat16, {}),  # another precision
@@ -86,3 +95,68 @@ def test_a_lora_head_goes_to_sglang():
     lora.forward = lambda x: x @ lora.weight.T
     _lm_head(original, _processor(), torch.randn(2, 16), lora)
     assert calls == [2]
+
+
+def test_one_row_reads_a_transposed_copy_made_once_per_weight():
+    weight = torch.randn(LM_HEAD_MIN_VOCAB, 32)
+    first = transposed_weight(weight)
+    assert first.shape == (32, LM_HEAD_MIN_VOCAB) and first.is_contiguous()
+    assert transposed_weight(weight) is first  # kept, not remade per call
+    other = torch.randn(LM_HEAD_MIN_VOCAB, 32)
+    assert transposed_weight(other) is not first
+    hidden = torch.randn(1, 32)
+    torch.testing.assert_close(lm_head_logits(hidden, weight), hidden @ weight.T)
+
+
+def test_a_weight_update_drops_the_copies_so_new_weights_are_read():
+    head = _Head(LM_HEAD_MIN_VOCAB, 16)
+    hidden = torch.randn(1, 16)
+    original, _ = _counting_original()
+    before = _lm_head(original, _processor(), hidden, head)
+    new_weights = torch.randn_like(head.weight)
+
+    def update_weights(self, *args, **kwargs):  # as SGLang loads: in place, no version bump
+        head.weight.data.copy_(new_weights)
+        return True, "ok"
+
+    assert _weights_updated(update_weights, object()) == (True, "ok")
+    after = _lm_head(original, _processor(), hidden, head)
+    torch.testing.assert_close(after, hidden @ new_weights.T, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(after, before)
+
+
+def test_a_failed_weight_update_drops_the_copies_too():
+    weight = torch.randn(LM_HEAD_MIN_VOCAB, 8)
+    first = transposed_weight(weight)
+
+    def update_weights(self):
+        weight.data.mul_(2.0)  # part of the weights written, then a failure
+        raise RuntimeError("load failed")
+
+    with pytest.raises(RuntimeError):
+        _weights_updated(update_weights, object())
+    assert transposed_weight(weight) is not first
+
+
+def test_every_sglang_method_that_writes_weights_is_hooked():
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    # Group set-up and the start of a bucketed update write no weights; anything else public
+    # that names weights does, and must drop the transposed copies.
+    not_writing = {
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "begin_weight_update",
+    }
+    public = {
+        name
+        for name, _ in inspect.getmembers(WeightUpdater, inspect.isfunction)
+        if not name.startswith("_") and "weight" in name
+    }
+    assert public - not_writing == set(WEIGHT_UPDATES)
+    hooked = {target: hook for target, hook in cpu._HOOKS}
+    for name in WEIGHT_UPDATES:
+        target = f"{WeightUpdater.__module__}.WeightUpdater.{name}"
+        assert hooked[target] is _weights_updated
+        module, cls, attr = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), attr))

@@ -11,7 +11,8 @@ SGLang's original unchanged, so nothing differs on a GPU. What each hook replace
 * ``RotaryEmbedding`` construction, which imports vllm on platforms SGLang does not know;
 * attention: the ``adatree_cpu`` backend (``cpu_attention``), registered in SGLang's
   attention registry and returned by the draft backend factory;
-* the lm_head product of 2-4 rows (``_lm_head``): the same logits by a faster fp32 product.
+* the lm_head product of 1-4 rows (``_lm_head``): the same logits by a faster fp32 product
+  (one row over a transposed copy of the weight, dropped when SGLang updates weights).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -223,25 +225,58 @@ def _select_top_k_later(original: Callable[..., Any], *args: Any, **kwargs: Any)
 # -- logits ---------------------------------------------------------------------------------
 
 # Rows (tokens) and vocabulary rows of the logits products that ``_lm_head`` takes over.
-LM_HEAD_ROWS = (2, 4)
+LM_HEAD_ROWS = (1, 4)
 LM_HEAD_MIN_VOCAB = 4096
+
+# Transposed lm_head weights for one-row products, by id(weight): (the weight, its [H, V] copy).
+# Dropped whenever SGLang updates weights in place (``_weights_updated``).
+_TRANSPOSED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[hidden, vocab]`` copy of ``weight``, made once and kept while it lives."""
+    entry = _TRANSPOSED.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    copy = weight.detach().t().contiguous()  # [V, H] -> [H, V]
+    _TRANSPOSED[id(weight)] = (weakref.ref(weight), copy)
+    return copy
+
+
+def forget_transposed_weights() -> None:
+    """Drop every transposed copy (the weights they copy may have changed)."""
+    _TRANSPOSED.clear()
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` computed as ``(weight @ hidden.T).T``: [rows, vocab], contiguous.
+    """``hidden @ weight.T``: [rows, vocab], contiguous, the fastest way on an AVX2 CPU.
 
-    On an AVX2 CPU, MKL's fp32 product with 2-4 rows of ``hidden`` costs about that many
-    single-row products, reading the weight once per row (one thread, 49,152 x 576: 10.1 ms
-    for 1 row, 25.3 for 2, 23.8 for 4), while the transposed problem streams it once (15.2 and
-    15.0 ms; two threads 9.0 against 24.3). Rows are verify tokens and draft top-k branches,
-    so every speculative step pays this product once or more.
+    MKL's fp32 product with 2-4 rows of ``hidden`` costs about that many single-row products,
+    reading the weight once per row (one thread, 49,152 x 576: 10.1 ms for 1 row, 25.3 for 2,
+    23.8 for 4), while the transposed problem ``(weight @ hidden.T).T`` streams it once (15.2
+    and 15.0 ms; two threads 9.0 against 24.3). One row is a matrix-vector product, which
+    MKL runs at half speed over the ``[V, H]`` layout and at full speed over a ``[H, V]``
+    copy (two threads 9.4 against 5.3 ms; one thread 9.7 against 5.6): every decode step at
+    batch size 1, every top-1 draft step and each request's draft extend is one row, so the
+    copy (vocab x hidden floats, 113 MB for the target) is made once and kept.
     """
+    if hidden.shape[0] == 1:
+        return torch.mm(hidden, transposed_weight(weight))  # [1, H] @ [H, V] -> [1, V]
     return torch.mm(weight, hidden.T).T.contiguous()  # [V, H] @ [H, R] -> [R, V]
+
+
+def _weights_updated(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # SGLang writes new weights into the existing tensors (``param.data.copy_``, which no
+    # version counter sees), so a transposed copy would keep serving the old lm_head.
+    try:
+        return original(*args, **kwargs)
+    finally:
+        forget_transposed_weights()
 
 
 def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     # Only where SGLang would run its plain product (no LoRA, quantisation, AMX, fp32 upcast or
-    # on-policy bf16 path) on fp32 CPU tensors of 2-4 rows; the rest goes to the original.
+    # on-policy bf16 path) on fp32 CPU tensors of 1-4 rows; the rest goes to the original.
     # Every logits pass comes here: the cheap tensor checks decide first, so a GPU call costs
     # one lookup.
     hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -329,6 +364,17 @@ def _fill_accept_out_cache_loc(
 
 _SPEC = "sglang.srt.speculative"
 _OPS = "sglang.kernels.ops.speculative"
+_WEIGHTS = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+# Every WeightUpdater method that writes weights (tests/test_sglang_cpu_lm_head.py checks that
+# no other public one does).
+WEIGHT_UPDATES = (
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_ipc",
+    "load_weights_from_distributed",
+    "receive_weights_from_distributed",
+    "end_weight_update",
+)
 
 _HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__", _rope_init),
@@ -337,6 +383,7 @@ _HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
         _kv_copy_warmup,
     ),
     ("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head", _lm_head),
+    *((f"{_WEIGHTS}.{name}", _weights_updated) for name in WEIGHT_UPDATES),
     (f"{_SPEC}.draft_utils.DraftBackendFactory.create_decode_backend", _draft_decode_backend),
     (
         f"{_SPEC}.draft_utils.DraftBackendFactory.create_draft_extend_backend",
