@@ -108,6 +108,15 @@ def test_one_row_reads_a_transposed_copy_made_once_per_weight():
     torch.testing.assert_close(lm_head_logits(hidden, weight), hidden @ weight.T)
 
 
+def test_a_freed_weight_takes_its_copy_with_it():
+    weight = torch.randn(LM_HEAD_MIN_VOCAB, 8)
+    transposed_weight(weight)
+    key = id(weight)
+    assert key in cpu._TRANSPOSED
+    del weight
+    assert key not in cpu._TRANSPOSED
+
+
 def test_a_weight_update_drops_the_copies_so_new_weights_are_read():
     head = _Head(LM_HEAD_MIN_VOCAB, 16)
     hidden = torch.randn(1, 16)

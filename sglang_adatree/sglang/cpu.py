@@ -239,7 +239,9 @@ def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
     if entry is not None and entry[0]() is weight:
         return entry[1]
     copy = weight.detach().t().contiguous()  # [V, H] -> [H, V]
-    _TRANSPOSED[id(weight)] = (weakref.ref(weight), copy)
+    key = id(weight)
+    # The entry goes with its weight (a freed model must not leave its copy behind).
+    _TRANSPOSED[key] = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), copy)
     return copy
 
 
