@@ -1,10 +1,12 @@
 """Time the lm_head product on this CPU: SGLang's form against the CPU path's.
 
-For 1, 2, 4 and 8 rows of hidden states (decode and top-1 draft steps are one row; verify
-passes and top-k draft steps 2-4) and the bundled target's size (49,152 x 576, fp32), prints
+For 1-64 rows of hidden states (decode and top-1 draft steps are one row; verify passes carry
+a request's draft tokens plus one, top-k draft steps batch x topk) and the bundled target's size
+(49,152 x 576, fp32), prints
 the median milliseconds of interleaved calls of ``hidden @ W.T`` (what SGLang runs), of
 ``(W @ hidden.T).T`` and of ``hidden @ W_t`` over a transposed copy made beforehand, and of
-``cpu.lm_head_logits`` (the form the CPU path picks for that row count).
+what the CPU path runs with this thread count: ``cpu.lm_head_logits`` (its pick among the
+first three) up to ``cpu.lm_head_max_rows()`` rows, SGLang's product beyond.
 
 Usage: ``.venv/bin/python scripts/bench_lm_head.py [--vocab 49152] [--hidden 576] [--threads 2]``
 """
@@ -18,7 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_adatree.sglang.cpu import lm_head_logits, transposed_weight
+from sglang_adatree.sglang.cpu import lm_head_logits, lm_head_max_rows, transposed_weight
+
+ROWS = (1, 2, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def main() -> None:
@@ -38,13 +42,17 @@ def main() -> None:
         f"lm_head {args.vocab} x {args.hidden} fp32, {args.threads} threads; "
         f"median ms of {args.rounds} interleaved rounds"
     )
-    for rows in (1, 2, 4, 8):
+    for rows in ROWS:
         hidden = torch.randn(rows, args.hidden)
         forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "h @ W.T (SGLang)": lambda h: torch.matmul(h, weight.T),
             "(W @ h.T).T": lambda h: torch.mm(weight, h.T).T.contiguous(),
             "h @ W_t (copy)": lambda h: torch.mm(h, weight_t),
-            "lm_head_logits": lambda h: lm_head_logits(h, weight),
+            "CPU path": (
+                (lambda h: lm_head_logits(h, weight))
+                if rows <= lm_head_max_rows()
+                else (lambda h: torch.matmul(h, weight.T))
+            ),
         }
         reference = forms["h @ W.T (SGLang)"](hidden)
         for name, form in forms.items():

@@ -1,6 +1,6 @@
 """The CPU path's lm_head product: the same logits as SGLang's, taken over only where its
-plain fp32 product of 1-4 rows would run; one row over a transposed copy of the weight that
-every SGLang weight update drops."""
+plain fp32 product of 1-4 rows (1-48 with two or more threads) would run; one row over a
+transposed copy of the weight that every SGLang weight update drops."""
 
 import importlib
 import inspect
@@ -11,13 +11,24 @@ import torch
 
 from sglang_adatree.sglang import cpu
 from sglang_adatree.sglang.cpu import (
+    LM_HEAD_MAX_ROWS_ONE_THREAD,
+    LM_HEAD_MAX_ROWS_THREADED,
     LM_HEAD_MIN_VOCAB,
     WEIGHT_UPDATES,
     _lm_head,
     _weights_updated,
     lm_head_logits,
+    lm_head_max_rows,
     transposed_weight,
 )
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test and restore it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 class _Head(torch.nn.Module):
@@ -48,7 +59,7 @@ def _counting_original():
     return original, calls
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 48])
 def test_lm_head_logits_is_the_plain_product(rows):
     g = torch.Generator().manual_seed(rows)
     hidden = torch.randn(rows, 64, generator=g)
@@ -58,8 +69,18 @@ def test_lm_head_logits_is_the_plain_product(rows):
     torch.testing.assert_close(out, hidden @ weight.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_the_hook_takes_over_fp32_products_of_1_to_4_rows(rows):
+def test_more_rows_are_taken_over_with_two_or_more_threads(threads):
+    threads(1)
+    assert lm_head_max_rows() == LM_HEAD_MAX_ROWS_ONE_THREAD == 4
+    threads(2)
+    assert lm_head_max_rows() == LM_HEAD_MAX_ROWS_THREADED == 48
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_threads"), [(1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (8, 2), (48, 2)]
+)
+def test_the_hook_takes_over_fp32_products_up_to_the_row_limit(rows, num_threads, threads):
+    threads(num_threads)
     torch.manual_seed(0)
     head = _Head(LM_HEAD_MIN_VOCAB + 8, 32)
     hidden = torch.randn(rows, 32)
@@ -72,15 +93,17 @@ def test_the_hook_takes_over_fp32_products_of_1_to_4_rows(rows):
 
 
 @pytest.mark.parametrize(
-    ("rows", "vocab", "dtype", "processor"),
+    ("rows", "num_threads", "vocab", "dtype", "processor"),
     [
-        (5, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # more rows: no gain measured
-        (2, LM_HEAD_MIN_VOCAB - 1, torch.float32, {}),  # a small vocabulary
-        (2, LM_HEAD_MIN_VOCAB, torch.bfloat16, {}),  # another precision
-        (2, LM_HEAD_MIN_VOCAB, torch.float32, {"use_fp32_lm_head": True}),
+        (5, 1, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # one thread: slower past 5 rows
+        (49, 2, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # past the measured gain
+        (2, 1, LM_HEAD_MIN_VOCAB - 1, torch.float32, {}),  # a small vocabulary
+        (2, 1, LM_HEAD_MIN_VOCAB, torch.bfloat16, {}),  # another precision
+        (2, 1, LM_HEAD_MIN_VOCAB, torch.float32, {"use_fp32_lm_head": True}),
     ],
 )
-def test_everything_else_goes_to_sglang(rows, vocab, dtype, processor):
+def test_everything_else_goes_to_sglang(rows, num_threads, vocab, dtype, processor, threads):
+    threads(num_threads)
     head = _Head(vocab, 16, dtype)
     hidden = torch.randn(rows, 16, dtype=dtype)
     original, calls = _counting_original()

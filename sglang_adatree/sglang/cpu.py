@@ -11,8 +11,9 @@ SGLang's original unchanged, so nothing differs on a GPU. What each hook replace
 * ``RotaryEmbedding`` construction, which imports vllm on platforms SGLang does not know;
 * attention: the ``adatree_cpu`` backend (``cpu_attention``), registered in SGLang's
   attention registry and returned by the draft backend factory;
-* the lm_head product of 1-4 rows (``_lm_head``): the same logits by a faster fp32 product
-  (one row over a transposed copy of the weight, dropped when SGLang updates weights).
+* the lm_head product of 1-4 rows, 1-48 with two or more threads (``_lm_head``): the same
+  logits by a faster fp32 product (one row over a transposed copy of the weight, dropped when
+  SGLang updates weights).
 """
 
 from __future__ import annotations
@@ -224,9 +225,22 @@ def _select_top_k_later(original: Callable[..., Any], *args: Any, **kwargs: Any)
 
 # -- logits ---------------------------------------------------------------------------------
 
-# Rows (tokens) and vocabulary rows of the logits products that ``_lm_head`` takes over.
-LM_HEAD_ROWS = (1, 4)
+# Rows (tokens) of the logits products that ``_lm_head`` takes over, by the OpenMP threads of
+# the process, and the smallest vocabulary. ``(W @ h.T).T`` against SGLang's ``h @ W.T``
+# (scripts/bench_lm_head.py, 49,152 x 576, AVX2): one thread, 0.7x at 4 rows but 1.2-1.4x at
+# 6-12; two threads, 0.35x at 4 rows and 0.5-0.9x up to 48 (64: 0.94x). More than two threads
+# were not measured; the transposed product splits its 49,152 output rows among them.
+LM_HEAD_MAX_ROWS_ONE_THREAD = 4
+LM_HEAD_MAX_ROWS_THREADED = 48
 LM_HEAD_MIN_VOCAB = 4096
+
+
+def lm_head_max_rows() -> int:
+    """The most rows ``_lm_head`` takes over with this process's OpenMP thread count."""
+    if torch.get_num_threads() < 2:
+        return LM_HEAD_MAX_ROWS_ONE_THREAD
+    return LM_HEAD_MAX_ROWS_THREADED
+
 
 # Transposed lm_head weights for one-row products, by id(weight): (the weight, its [H, V] copy).
 # Dropped whenever SGLang updates weights in place (``_weights_updated``).
@@ -256,11 +270,12 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     MKL's fp32 product with 2-4 rows of ``hidden`` costs about that many single-row products,
     reading the weight once per row (one thread, 49,152 x 576: 10.1 ms for 1 row, 25.3 for 2,
     23.8 for 4), while the transposed problem ``(weight @ hidden.T).T`` streams it once (15.2
-    and 15.0 ms; two threads 9.0 against 24.3). One row is a matrix-vector product, which
-    MKL runs at half speed over the ``[V, H]`` layout and at full speed over a ``[H, V]``
-    copy (two threads 9.4 against 5.3 ms; one thread 9.7 against 5.6): every decode step at
-    batch size 1, every top-1 draft step and each request's draft extend is one row, so the
-    copy (vocab x hidden floats, 113 MB for the target) is made once and kept.
+    and 15.0 ms; two threads 9.0 against 24.3, and up to 48 rows still ahead: 17.9 against
+    24.4 for 8). One row is a matrix-vector product, which MKL runs at half speed over the
+    ``[V, H]`` layout and at full speed over a ``[H, V]`` copy (two threads 9.4 against 5.3 ms;
+    one thread 9.7 against 5.6): every decode step at batch size 1, every top-1 draft step and
+    each request's draft extend is one row, so the copy (vocab x hidden floats, 113 MB for the
+    target) is made once and kept.
     """
     if hidden.shape[0] == 1:
         return torch.mm(hidden, transposed_weight(weight))  # [1, H] @ [H, V] -> [1, V]
@@ -278,14 +293,15 @@ def _weights_updated(original: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     # Only where SGLang would run its plain product (no LoRA, quantisation, AMX, fp32 upcast or
-    # on-policy bf16 path) on fp32 CPU tensors of 1-4 rows; the rest goes to the original.
+    # on-policy bf16 path) on fp32 CPU tensors of 1 to ``lm_head_max_rows()`` rows; the rest
+    # goes to the original.
     # Every logits pass comes here: the cheap tensor checks decide first, so a GPU call costs
     # one lookup.
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     if (
         not _is_cpu(hidden)
         or hidden.ndim != 2
-        or not LM_HEAD_ROWS[0] <= hidden.shape[0] <= LM_HEAD_ROWS[1]
+        or not 1 <= hidden.shape[0] <= lm_head_max_rows()
         or hidden.dtype != torch.float32
     ):
         return original(self, *args, **kwargs)
