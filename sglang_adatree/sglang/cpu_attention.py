@@ -262,12 +262,15 @@ class AdaTreeCpuAttnBackend(AttentionBackend):
             prefix_values = _gather_slots(value_cache, meta.prefix_slots).to(q_.dtype)
             keys = torch.cat([prefix_keys, _gather_slots(k_new, idx)], dim=1)
             values = torch.cat([prefix_values, _gather_slots(v_new, idx)], dim=1)
-        if meta.dense and q_.shape[0] == meta.num_tokens:
-            queries = q_.view(*idx.shape, heads, layer.qk_head_dim)  # [batch, max_q, H, D]
-            out = _attend(queries, keys, values, meta.mask, layer.scaling)
+        # A verify (every request the same number of new tokens) reads its queries and writes
+        # its outputs as views of the flat rows; a ragged prefill gathers and scatters them.
+        dense = meta.dense and q_.shape[0] == meta.num_tokens
+        queries = (  # [batch, max_q, H, D]
+            q_.view(*idx.shape, heads, layer.qk_head_dim) if dense else _gather_slots(q_, idx)
+        )
+        out = _attend(queries, keys, values, meta.mask, layer.scaling)  # [batch, max_q, H, Dv]
+        if dense:
             return out.reshape(q_.shape[0], heads * layer.v_head_dim)
-        out = _attend(_gather_slots(q_, idx), keys, values, meta.mask, layer.scaling)
-        # out: [batch, max_q, H, Dv]
         o = q.new_empty((q_.shape[0], heads, layer.v_head_dim))
         o[idx[meta.token_valid]] = out[meta.token_valid]
         return o.reshape(q_.shape[0], heads * layer.v_head_dim)
