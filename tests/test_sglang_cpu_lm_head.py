@@ -96,7 +96,7 @@ def test_the_hook_takes_over_fp32_products_up_to_the_row_limit(rows, num_threads
     ("rows", "num_threads", "vocab", "dtype", "processor"),
     [
         (5, 1, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # one thread: slower past 5 rows
-        (49, 2, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # past the measured gain
+        (49, 2, LM_HEAD_MIN_VOCAB, torch.float32, {}),  # past the limit
         (2, 1, LM_HEAD_MIN_VOCAB - 1, torch.float32, {}),  # a small vocabulary
         (2, 1, LM_HEAD_MIN_VOCAB, torch.bfloat16, {}),  # another precision
         (2, 1, LM_HEAD_MIN_VOCAB, torch.float32, {"use_fp32_lm_head": True}),

@@ -227,9 +227,10 @@ def _select_top_k_later(original: Callable[..., Any], *args: Any, **kwargs: Any)
 
 # Rows (tokens) of the logits products that ``_lm_head`` takes over, by the OpenMP threads of
 # the process, and the smallest vocabulary. ``(W @ h.T).T`` against SGLang's ``h @ W.T``
-# (scripts/bench_lm_head.py, 49,152 x 576, AVX2): one thread, 0.7x at 4 rows but 1.2-1.4x at
-# 6-12; two threads, 0.35x at 4 rows and 0.5-0.9x up to 48 (64: 0.94x). More than two threads
-# were not measured; the transposed product splits its 49,152 output rows among them.
+# (scripts/bench_lm_head.py, 49,152 x 576, AVX2): one thread, 0.5-0.7x at 2-4 rows but
+# 1.0-1.4x at 6-12; two threads, 0.35-0.5x at 2-4 rows and 0.5-0.95x at 5-64 (three runs), taken
+# over up to 48 for a margin. More than two threads were not measured; the transposed product
+# splits its 49,152 output rows among them.
 LM_HEAD_MAX_ROWS_ONE_THREAD = 4
 LM_HEAD_MAX_ROWS_THREADED = 48
 LM_HEAD_MIN_VOCAB = 4096
@@ -270,8 +271,8 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     MKL's fp32 product with 2-4 rows of ``hidden`` costs about that many single-row products,
     reading the weight once per row (one thread, 49,152 x 576: 10.1 ms for 1 row, 25.3 for 2,
     23.8 for 4), while the transposed problem ``(weight @ hidden.T).T`` streams it once (15.2
-    and 15.0 ms; two threads 9.0 against 24.3, and up to 48 rows still ahead: 17.9 against
-    24.4 for 8). One row is a matrix-vector product, which MKL runs at half speed over the
+    and 15.0 ms; two threads 9.0 against 24.3, and up to 48 rows still ahead: 15.1 against
+    23.3 for 8). One row is a matrix-vector product, which MKL runs at half speed over the
     ``[V, H]`` layout and at full speed over a ``[H, V]`` copy (two threads 9.4 against 5.3 ms;
     one thread 9.7 against 5.6): every decode step at batch size 1, every top-1 draft step and
     each request's draft extend is one row, so the copy (vocab x hidden floats, 113 MB for the
