@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_adatree.sglang import cpu
+from sglang_adatree.sglang import cpu, cpu_weights
 from sglang_adatree.sglang.cpu import (
     LM_HEAD_MAX_ROWS_ONE_THREAD,
     LM_HEAD_MAX_ROWS_THREADED,
@@ -19,8 +19,8 @@ from sglang_adatree.sglang.cpu import (
     _weights_updated,
     lm_head_logits,
     lm_head_max_rows,
-    transposed_weight,
 )
+from sglang_adatree.sglang.cpu_weights import transposed_weight
 
 
 @pytest.fixture
@@ -135,9 +135,9 @@ def test_a_freed_weight_takes_its_copy_with_it():
     weight = torch.randn(LM_HEAD_MIN_VOCAB, 8)
     transposed_weight(weight)
     key = id(weight)
-    assert key in cpu._TRANSPOSED
+    assert key in cpu_weights._TRANSPOSED
     del weight
-    assert key not in cpu._TRANSPOSED
+    assert key not in cpu_weights._TRANSPOSED
 
 
 def test_a_weight_update_drops_the_copies_so_new_weights_are_read():

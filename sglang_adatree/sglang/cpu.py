@@ -12,8 +12,12 @@ SGLang's original unchanged, so nothing differs on a GPU. What each hook replace
 * attention: the ``adatree_cpu`` backend (``cpu_attention``), registered in SGLang's
   attention registry and returned by the draft backend factory;
 * the lm_head product of 1-4 rows, 1-48 with two or more threads (``_lm_head``): the same
-  logits by a faster fp32 product (one row over a transposed copy of the weight, dropped when
-  SGLang updates weights).
+  logits by a faster fp32 product (one row over a transposed copy of the weight);
+* the linear layers' fp32 products of 2-128 rows, 1-128 with two or more threads (``_linear``:
+  decodes, verify passes, draft steps) through oneDNN over a packed copy of the weight.
+
+The weight copies (``cpu_weights``) are made once per weight and dropped when SGLang updates
+weights.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_adatree.sglang import cpu_kernels
@@ -34,6 +38,11 @@ from sglang_adatree.sglang.cpu_attention import (
     BACKEND_NAME,
     AdaTreeCpuAttnBackend,
     AdaTreeCpuMultiStepDraftBackend,
+)
+from sglang_adatree.sglang.cpu_weights import (
+    forget_weight_copies,
+    packed_linear_weight,
+    transposed_weight,
 )
 
 
@@ -243,28 +252,6 @@ def lm_head_max_rows() -> int:
     return LM_HEAD_MAX_ROWS_THREADED
 
 
-# Transposed lm_head weights for one-row products, by id(weight): (the weight, its [H, V] copy).
-# Dropped whenever SGLang updates weights in place (``_weights_updated``).
-_TRANSPOSED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-
-def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``[hidden, vocab]`` copy of ``weight``, made once and kept while it lives."""
-    entry = _TRANSPOSED.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
-    copy = weight.detach().t().contiguous()  # [V, H] -> [H, V]
-    key = id(weight)
-    # The entry goes with its weight (a freed model must not leave its copy behind).
-    _TRANSPOSED[key] = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), copy)
-    return copy
-
-
-def forget_transposed_weights() -> None:
-    """Drop every transposed copy (the weights they copy may have changed)."""
-    _TRANSPOSED.clear()
-
-
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T``: [rows, vocab], contiguous, the fastest way on an AVX2 CPU.
 
@@ -285,11 +272,61 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _weights_updated(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # SGLang writes new weights into the existing tensors (``param.data.copy_``, which no
-    # version counter sees), so a transposed copy would keep serving the old lm_head.
+    # version counter sees), so a transposed or packed copy would keep serving the old weights.
     try:
         return original(*args, **kwargs)
     finally:
-        forget_transposed_weights()
+        forget_weight_copies()
+
+
+# -- linear layers ----------------------------------------------------------------------------
+
+# Rows (tokens) of the linear products that ``_linear`` takes over, by the OpenMP threads of
+# the process. The bundled target's 30 layers x 4 projections in a row, as a forward streams
+# them from memory (scripts/bench_cpu_linear.py, AVX2, fp32), oneDNN over packed weights
+# against ``F.linear``: two threads 0.7-0.9x at 1 row, 0.4-0.5x at 2-4, 0.55-0.8x at 8-128;
+# one thread 1.0-1.1x at 1 row, 0.7-0.8x at 2-8, 0.85-0.97x at 16-128. Larger products
+# (prefill chunks) stay with ``F.linear``, whose blocking pays there.
+LINEAR_MAX_ROWS = 128
+
+
+def linear_rows() -> tuple[int, int]:
+    """The row counts ``_linear`` takes over with this process's OpenMP thread count."""
+    return (1 if torch.get_num_threads() >= 2 else 2), LINEAR_MAX_ROWS
+
+
+def _linear(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # SGLang's ``UnquantizedLinearMethod.apply(layer, x, bias)``: only its plain ``F.linear``
+    # branch (no AMX, no batch-invariant mode) on fp32 CPU tensors of ``linear_rows()`` rows,
+    # while the packed copies fit their budget; the rest goes to the original. Every linear
+    # layer of every forward comes here, so the cheap tensor checks decide first.
+    if len(args) >= 3 and not kwargs:
+        layer, x = args[1], args[2]
+        bias = args[3] if len(args) > 3 else None
+    else:
+        a = _arguments(original, args, kwargs)
+        layer, x, bias = a["layer"], a["x"], a["bias"]
+    if not _is_cpu(x) or x.dtype != torch.float32 or x.ndim != 2:
+        return original(*args, **kwargs)
+    low, high = linear_rows()
+    if not low <= x.shape[0] <= high:
+        return original(*args, **kwargs)
+    weight = getattr(layer, "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dtype != torch.float32
+        or weight.ndim != 2
+        or not _is_cpu(weight)
+        or (bias is not None and bias.dtype != torch.float32)
+        or getattr(layer, "use_intel_amx_backend", False)
+        or is_batch_invariant_mode_enabled()
+    ):
+        return original(*args, **kwargs)
+    packed = packed_linear_weight(weight)
+    if packed is None:
+        return original(*args, **kwargs)
+    # [rows, in] x packed [out, in] -> [rows, out]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -402,6 +439,7 @@ _HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
         _kv_copy_warmup,
     ),
     ("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head", _lm_head),
+    ("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply", _linear),
     *((f"{_WEIGHTS}.{name}", _weights_updated) for name in WEIGHT_UPDATES),
     (f"{_SPEC}.draft_utils.DraftBackendFactory.create_decode_backend", _draft_decode_backend),
     (
