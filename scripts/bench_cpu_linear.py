@@ -8,7 +8,7 @@ alone. For 1-128 rows (a decode at batch size 1 is one row, a verify pass carrie
 request's draft tokens, a chunk of prefill many), prints the median milliseconds of
 interleaved calls of ``F.linear``, of oneDNN over copies packed once
 (``cpu_weights.packed_linear_weight``) and of ``x @ W_t`` over transposed copies, and which one
-the CPU path runs with this thread count (``cpu.linear_rows()``).
+the CPU path runs (``cpu.LINEAR_ROWS``).
 
 Usage: ``.venv/bin/python scripts/bench_cpu_linear.py [--threads 2] [--rounds 15]``
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sglang_adatree.sglang.cpu import linear_rows
+from sglang_adatree.sglang.cpu import LINEAR_ROWS
 from sglang_adatree.sglang.cpu_weights import packed_linear_weight
 
 PROJECTIONS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -68,7 +68,7 @@ def main() -> None:
         f"{LAYERS} layers x 4 linear products of the bundled target, fp32, {args.threads} "
         f"threads; median ms of {args.rounds} interleaved rounds"
     )
-    low, high = linear_rows()
+    low, high = LINEAR_ROWS
     with torch.inference_mode():
         for rows in ROWS:
             xs = {name: torch.randn(rows, inp) for name, (_, inp) in PROJECTIONS.items()}

@@ -13,8 +13,8 @@ SGLang's original unchanged, so nothing differs on a GPU. What each hook replace
   attention registry and returned by the draft backend factory;
 * the lm_head product of 1-4 rows, 1-48 with two or more threads (``_lm_head``): the same
   logits by a faster fp32 product (one row over a transposed copy of the weight);
-* the linear layers' fp32 products of 2-128 rows, 1-128 with two or more threads (``_linear``:
-  decodes, verify passes, draft steps) through oneDNN over a packed copy of the weight.
+* the linear layers' fp32 products of 2-128 rows (``_linear``: verify passes, top-k draft steps,
+  a few decodes at once) through oneDNN over a packed copy of the weight.
 
 The weight copies (``cpu_weights``) are made once per weight and dropped when SGLang updates
 weights.
@@ -281,23 +281,20 @@ def _weights_updated(original: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 # -- linear layers ----------------------------------------------------------------------------
 
-# Rows (tokens) of the linear products that ``_linear`` takes over, by the OpenMP threads of
-# the process. The bundled target's 30 layers x 4 projections in a row, as a forward streams
-# them from memory (scripts/bench_cpu_linear.py, AVX2, fp32), oneDNN over packed weights
-# against ``F.linear``: two threads 0.7-0.9x at 1 row, 0.4-0.5x at 2-4, 0.55-0.8x at 8-128;
-# one thread 1.0-1.1x at 1 row, 0.7-0.8x at 2-8, 0.85-0.97x at 16-128. Larger products
-# (prefill chunks) stay with ``F.linear``, whose blocking pays there.
-LINEAR_MAX_ROWS = 128
-
-
-def linear_rows() -> tuple[int, int]:
-    """The row counts ``_linear`` takes over with this process's OpenMP thread count."""
-    return (1 if torch.get_num_threads() >= 2 else 2), LINEAR_MAX_ROWS
+# Rows (tokens) of the linear products that ``_linear`` takes over. The bundled target's 30
+# layers x 4 projections in a row, as a forward streams them from memory
+# (scripts/bench_cpu_linear.py, AVX2, fp32), oneDNN over packed weights against ``F.linear``:
+# two threads 0.4-0.5x at 2-4 rows, 0.55-0.8x at 8-128; one thread 0.7-0.8x at 2-8,
+# 0.85-0.97x at 16-128. One row (a decode at batch size 1) stays with ``F.linear``: 0.7-0.9x
+# there with two threads, but a server's decode was not faster for it (`ar` new / old 1.04,
+# docs/benchmarks.md), and 1.1x with one thread; larger products (prefill chunks) too, where
+# its blocking pays.
+LINEAR_ROWS = (2, 128)
 
 
 def _linear(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # SGLang's ``UnquantizedLinearMethod.apply(layer, x, bias)``: only its plain ``F.linear``
-    # branch (no AMX, no batch-invariant mode) on fp32 CPU tensors of ``linear_rows()`` rows,
+    # branch (no AMX, no batch-invariant mode) on fp32 CPU tensors of 2-128 rows,
     # while the packed copies fit their budget; the rest goes to the original. Every linear
     # layer of every forward comes here, so the cheap tensor checks decide first.
     if len(args) >= 3 and not kwargs:
@@ -306,10 +303,12 @@ def _linear(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     else:
         a = _arguments(original, args, kwargs)
         layer, x, bias = a["layer"], a["x"], a["bias"]
-    if not _is_cpu(x) or x.dtype != torch.float32 or x.ndim != 2:
-        return original(*args, **kwargs)
-    low, high = linear_rows()
-    if not low <= x.shape[0] <= high:
+    if (
+        not _is_cpu(x)
+        or x.dtype != torch.float32
+        or x.ndim != 2
+        or not LINEAR_ROWS[0] <= x.shape[0] <= LINEAR_ROWS[1]
+    ):
         return original(*args, **kwargs)
     weight = getattr(layer, "weight", None)
     if (

@@ -3,7 +3,7 @@
 * ``transposed_weight``: an lm_head ``[V, H]`` as a contiguous ``[H, V]`` copy, over which a
   one-row product runs at full memory speed (``cpu.lm_head_logits``);
 * ``packed_linear_weight``: a linear layer's ``[out, in]`` weight reordered for oneDNN, whose
-  fp32 products of 1-128 rows cost 0.4-0.8x ``F.linear``'s on an AVX2 CPU (``cpu._linear``).
+  fp32 products of 2-128 rows cost 0.4-0.8x ``F.linear``'s on an AVX2 CPU (``cpu._linear``).
 
 Copies are keyed by the weight's ``id`` and hold a weak reference to it, so a freed weight takes
 its copy with it. SGLang writes new weights in place (``param.data.copy_``), which no version
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 PACKED_LINEAR_BUDGET_ENV = "ADATREE_CPU_PACKED_LINEAR_MB"
 DEFAULT_PACKED_LINEAR_MB = 1024
 # oneDNN picks its blocked layout for an expected row count; one packing serves every count the
-# CPU path sends (1-128 rows), and 8 is a typical verify pass (the figures in ``cpu`` use it).
+# CPU path sends (2-128 rows), and 8 is a typical verify pass (the figures in ``cpu`` use it).
 PACK_FOR_ROWS = 8
 
 # By id(weight): (a weak reference to the weight, its copy).
@@ -93,11 +93,14 @@ def packed_linear_budget_bytes() -> int:
 
 def packed_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ([out, in], fp32) reordered for ``torch.ops.mkldnn._linear_pointwise``, made
-    once and kept while it lives; None when the copy would exceed the budget."""
+    once and kept while it lives; None when the copy would exceed the budget or this torch has
+    no oneDNN."""
     global _packed_bytes, _over_budget_logged
     copy = _cached(_PACKED, weight)
     if copy is not None:
         return copy
+    if not torch.backends.mkldnn.is_available():
+        return None
     size = weight.numel() * weight.element_size()
     budget = packed_linear_budget_bytes()
     if _packed_bytes + size > budget:
