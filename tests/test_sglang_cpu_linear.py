@@ -164,6 +164,16 @@ def test_a_bad_budget_is_refused(monkeypatch, raw):
         packed_linear_budget_bytes()
 
 
+def test_a_bad_budget_stops_the_plugin_before_it_registers_anything(monkeypatch):
+    from sglang_adatree.sglang import plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv(PACKED_LINEAR_BUDGET_ENV, "-5")
+    with pytest.raises(ValueError, match=PACKED_LINEAR_BUDGET_ENV):
+        plugin.register()
+    assert plugin._registered is False
+
+
 def test_the_default_budget_holds_the_bundled_targets_layers():
     # 30 layers x (q/k/v 960 + o 576 + gate/up 3072 rows of 576, down 576 rows of 1536), fp32.
     target = 30 * ((960 + 576 + 3072) * 576 + 576 * 1536) * 4

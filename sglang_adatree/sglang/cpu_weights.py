@@ -64,7 +64,7 @@ def _cached(
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    # An opaque oneDNN tensor reports its logical size; its blocked layout pads little.
+    # Counted by logical size: an opaque oneDNN tensor reports its elements, not its padding.
     return tensor.numel() * tensor.element_size()
 
 

@@ -33,6 +33,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from sglang_adatree.sglang.cpu_weights import packed_linear_budget_bytes
+
+    # A bad setting stops the whole plug-in here (SGLang logs the error), not half of it later.
+    packed_linear_budget_bytes()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
