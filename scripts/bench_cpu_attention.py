@@ -14,9 +14,7 @@ Usage: ``.venv/bin/python scripts/bench_cpu_attention.py [--lens 100 300 600] [-
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +26,7 @@ from sglang_adatree.sglang.cpu_attention import AdaTreeCpuAttnBackend
 # The stand-ins the backend's unit tests use, from the repository's tests folder.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from attention_fakes import FakePool, Mode, attention_layer, fused_qkv
+from interleaved import interleaved_medians  # scripts/interleaved.py
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 POOL_SLOTS = 8192
@@ -99,13 +98,7 @@ def main() -> None:
     print(f"{LAYERS} layers, batch 1, {args.threads} threads; median ms of {args.rounds} rounds")
     for context_len in args.lens:
         calls = forwards(context_len)
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                tic = time.perf_counter()
-                call()
-                times[name].append((time.perf_counter() - tic) * 1000.0)
-        med = {name: statistics.median(t) for name, t in times.items()}
+        med = interleaved_medians(calls, args.rounds)
         ratios = ", ".join(
             f"{name} {med[name]:.2f} ({med[name] / med['decode']:.2f}x)"
             for name in calls

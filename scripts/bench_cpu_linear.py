@@ -16,12 +16,12 @@ Usage: ``.venv/bin/python scripts/bench_cpu_linear.py [--threads 2] [--rounds 15
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from interleaved import interleaved_medians  # scripts/interleaved.py
 
 from sglang_adatree.sglang.cpu import LINEAR_ROWS
 from sglang_adatree.sglang.cpu_weights import packed_linear_weight
@@ -76,14 +76,10 @@ def main() -> None:
             reference = F.linear(x, w)
             got = torch.ops.mkldnn._linear_pointwise(x, packed[0]["down"], None, "none", [], "")
             torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
-            times: dict[str, list[float]] = {label: [] for label in forms}
-            for _ in range(args.rounds):
-                for label, forward in forms.items():
-                    tic = time.perf_counter()
-                    forward(xs)
-                    times[label].append((time.perf_counter() - tic) * 1000.0)
+            calls = {label: functools.partial(forward, xs) for label, forward in forms.items()}
+            med = interleaved_medians(calls, args.rounds)
             runs = "oneDNN packed" if low <= rows <= high else "F.linear"
-            cells = "  ".join(f"{label} {statistics.median(t):.1f}" for label, t in times.items())
+            cells = "  ".join(f"{label} {ms:.1f}" for label, ms in med.items())
             print(f"{rows} rows: {cells}  CPU path: {runs}")
 
 

@@ -14,11 +14,11 @@ Usage: ``.venv/bin/python scripts/bench_lm_head.py [--vocab 49152] [--hidden 576
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from collections.abc import Callable
 
 import torch
+from interleaved import interleaved_medians  # scripts/interleaved.py
 
 from sglang_adatree.sglang.cpu import lm_head_logits, lm_head_max_rows
 from sglang_adatree.sglang.cpu_weights import transposed_weight
@@ -58,13 +58,9 @@ def main() -> None:
         reference = forms["h @ W.T (SGLang)"](hidden)
         for name, form in forms.items():
             torch.testing.assert_close(form(hidden), reference, rtol=1e-4, atol=1e-3, msg=name)
-        times: dict[str, list[float]] = {name: [] for name in forms}
-        for _ in range(args.rounds):
-            for name, form in forms.items():
-                tic = time.perf_counter()
-                form(hidden)
-                times[name].append((time.perf_counter() - tic) * 1000.0)
-        cells = "  ".join(f"{name} {statistics.median(t):.2f}" for name, t in times.items())
+        calls = {name: functools.partial(form, hidden) for name, form in forms.items()}
+        med = interleaved_medians(calls, args.rounds)
+        cells = "  ".join(f"{name} {ms:.2f}" for name, ms in med.items())
         print(f"{rows} rows: {cells}")
 
 
