@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from interleaved import interleaved_medians  # scripts/interleaved.py
 
 from sglang_adatree.sglang.cpu import LINEAR_ROWS
-from sglang_adatree.sglang.cpu_weights import packed_linear_weight
+from sglang_adatree.sglang.cpu_weights import linear_packed, packed_linear_weight
 
 PROJECTIONS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30
@@ -57,11 +57,7 @@ def main() -> None:
 
     forms = {
         "F.linear": run(lambda x, i, n: F.linear(x, layers[i][n])),
-        "oneDNN packed": run(
-            lambda x, i, n: torch.ops.mkldnn._linear_pointwise(
-                x, packed[i][n], None, "none", [], ""
-            )
-        ),
+        "oneDNN packed": run(lambda x, i, n: linear_packed(x, packed[i][n])),
         "x @ W_t": run(lambda x, i, n: torch.mm(x, transposed[i][n])),
     }
     print(
@@ -74,7 +70,7 @@ def main() -> None:
             xs = {name: torch.randn(rows, inp) for name, (_, inp) in PROJECTIONS.items()}
             x, w = xs["down"], layers[0]["down"]
             reference = F.linear(x, w)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed[0]["down"], None, "none", [], "")
+            got = linear_packed(x, packed[0]["down"])
             torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
             calls = {label: functools.partial(forward, xs) for label, forward in forms.items()}
             med = interleaved_medians(calls, args.rounds)

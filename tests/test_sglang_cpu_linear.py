@@ -150,6 +150,17 @@ def test_the_budget_caps_the_copies_and_the_rest_stays_sglangs(monkeypatch, capl
     assert packed_linear_bytes() == 128 * 64 * 4
 
 
+def test_the_budget_is_read_once_until_the_copies_are_forgotten(monkeypatch):
+    # A layer past the budget asks on every forward: the setting is parsed once, not each time.
+    monkeypatch.setenv(PACKED_LINEAR_BUDGET_ENV, "0")
+    layer = _Layer(64, 32)
+    assert packed_linear_weight(layer.weight) is None
+    monkeypatch.setenv(PACKED_LINEAR_BUDGET_ENV, "1")
+    assert packed_linear_weight(layer.weight) is None
+    forget_weight_copies()
+    assert packed_linear_weight(layer.weight) is not None
+
+
 def test_a_zero_budget_turns_packing_off(monkeypatch):
     monkeypatch.setenv(PACKED_LINEAR_BUDGET_ENV, "0")
     original, calls = _counting_original()

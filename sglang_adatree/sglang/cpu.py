@@ -41,6 +41,7 @@ from sglang_adatree.sglang.cpu_attention import (
 )
 from sglang_adatree.sglang.cpu_weights import (
     forget_weight_copies,
+    linear_packed,
     packed_linear_weight,
     transposed_weight,
 )
@@ -324,8 +325,7 @@ def _linear(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     packed = packed_linear_weight(weight)
     if packed is None:
         return original(*args, **kwargs)
-    # [rows, in] x packed [out, in] -> [rows, out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return linear_packed(x, packed, bias)  # [rows, in] -> [rows, out]
 
 
 def _lm_head(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:

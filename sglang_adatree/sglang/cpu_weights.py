@@ -36,6 +36,7 @@ PACK_FOR_ROWS = 8
 _TRANSPOSED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 _PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 _packed_bytes = 0
+_budget_bytes: int | None = None  # parsed once; a layer past the budget asks on every call
 _over_budget_logged = False
 
 
@@ -95,14 +96,16 @@ def packed_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ([out, in], fp32) reordered for ``torch.ops.mkldnn._linear_pointwise``, made
     once and kept while it lives; None when the copy would exceed the budget or this torch has
     no oneDNN."""
-    global _packed_bytes, _over_budget_logged
+    global _packed_bytes, _budget_bytes, _over_budget_logged
     copy = _cached(_PACKED, weight)
     if copy is not None:
         return copy
     if not torch.backends.mkldnn.is_available():
         return None
     size = weight.numel() * weight.element_size()
-    budget = packed_linear_budget_bytes()
+    if _budget_bytes is None:
+        _budget_bytes = packed_linear_budget_bytes()
+    budget = _budget_bytes
     if _packed_bytes + size > budget:
         if not _over_budget_logged:
             _over_budget_logged = True
@@ -127,8 +130,16 @@ def packed_linear_bytes() -> int:
 
 def forget_weight_copies() -> None:
     """Drop every copy (the weights they copy may have changed)."""
-    global _packed_bytes, _over_budget_logged
+    global _packed_bytes, _budget_bytes, _over_budget_logged
     _TRANSPOSED.clear()
     _PACKED.clear()
     _packed_bytes = 0
+    _budget_bytes = None
     _over_budget_logged = False
+
+
+def linear_packed(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``packed_linear_weight(weight)``: [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
