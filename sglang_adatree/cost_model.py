@@ -10,11 +10,26 @@ Two layers:
   multiplies them by a per-shape residual correction so that measured step times pull the
   predictions back when the model is off.
 
-The residual correction of a shape is an exponential moving average of
-``log(measured_ms / predicted_ms)`` with weight ``residual_decay`` on the newest step, shrunk
-towards 0 (the model's own prediction) as if the model were ``PRIOR_STEPS`` measured steps that
-agree with it; the corrected prediction is ``predicted_ms * exp(residual)``. The prior's weight
-decays like any old step's, so a shape measured often ends at its plain moving average.
+The residual correction has two parts, both in ``log(measured_ms / predicted_ms)``:
+
+* a per-shape part: an exponential moving average, with weight ``residual_decay`` on the newest
+  step of that shape, of the step's ``log`` ratio less the drift (below), shrunk towards 0 (the
+  model's own view of the shape) as if the model were ``PRIOR_STEPS`` steps that agree with it.
+  The prior's weight decays like any old step's, so a shape measured often ends at its plain
+  moving average;
+* a drift common to every shape, for what moves all of them at once (the machine's speed: a
+  shared CPU, a GPU's clocks, neighbours): each step of a shape measured before moves it by
+  ``DRIFT_GAIN_RATIO * residual_decay`` times what the step says beyond that shape's own
+  average. A shape's first step says nothing about drift (it has no history to differ from), so
+  it only starts the shape's part.
+
+The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
+only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
+chain 1,1,2 went from 139 to 115 ms a step while it ran, the tree 2,2,4 kept its old prediction
+(186 ms; an exploring step measured it at 130) and the policy stayed on the chain for 200 steps
+where the tree was 6% better. A change the running shape sees splits between the drift and that
+shape's part in the ratio of their gains, so the drift takes about 80% of it; a cost that is
+the shape's own (a tree dearer than the model says) shows up as such whenever other shapes run.
 """
 
 from __future__ import annotations
@@ -43,6 +58,11 @@ MIN_STEP_MS = 0.01
 # at 69 ms after ten runs of it (164 ms with this prior). With 4, one step moves a correction 21%
 # of the way (a single noisy step cannot swing it), ten steps 77%, twenty 90%.
 PRIOR_STEPS = 4.0
+
+# The drift's gain per step, as a multiple of ``residual_decay`` (capped at 1): faster than a
+# shape's own part, so that the drift, not the running shape's part, takes most of a change
+# the running shape sees (4: about 80%), yet averaging a few steps' noise (0.2 at 0.05).
+DRIFT_GAIN_RATIO = 4.0
 
 
 class CostModel(Protocol):
@@ -129,7 +149,8 @@ def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 class ResidualCorrection:
-    """Per-shape shrunk EMA of ``log(measured / predicted)``; see the module docstring."""
+    """Per-shape shrunk EMAs of ``log(measured / predicted)`` and a drift common to all
+    shapes; see the module docstring."""
 
     def __init__(self, decay: float, prior_steps: float = PRIOR_STEPS) -> None:
         if not 0.0 < decay <= 1.0:
@@ -137,55 +158,58 @@ class ResidualCorrection:
         if prior_steps < 0:
             raise ValueError(f"prior steps must be >= 0, got {prior_steps}")
         self.decay = decay
+        self.drift_gain = min(1.0, DRIFT_GAIN_RATIO * decay)
         self.prior_steps = prior_steps
-        self._sum: dict[TreeShape, float] = {}  # EMA of decay * log ratio, started at 0
-        self._log: dict[TreeShape, float] = {}  # the correction: _sum over the weights
+        self._drift = 0.0  # log factor common to every shape
+        self._sum: dict[TreeShape, float] = {}  # EMA of decay * (log ratio - drift), from 0
+        self._log: dict[TreeShape, float] = {}  # the shape's part: _sum over the weights
         self._measured: dict[TreeShape, int] = {}
         # The factors of the last shape tuple asked for, kept up to date in place: the policy
         # asks for the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
         self._cached_index: dict[TreeShape, int] = {}
-        self._cached_factors = np.ones(0)
+        self._cached_parts = np.ones(0)  # [shapes] exp(shape's part)
+        self._cached_factors = np.ones(0)  # [shapes] exp(drift + shape's part)
 
     def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
         # Scalar arithmetic: this runs on every step, in the scheduler's thread.
         ratio = math.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
         d = self.decay
-        total = (1.0 - d) * self._sum.get(shape, 0.0) + d * ratio
-        self._set(shape, total, self._measured.get(shape, 0) + 1)
-
-    def update_many(
-        self, shape: TreeShape, measured_ms: np.ndarray, predicted_ms: np.ndarray
-    ) -> None:
-        """``update`` for each pair of ``[steps]`` arrays in turn, oldest first."""
-        ratio = np.log(
-            np.maximum(measured_ms, MIN_STEP_MS) / np.maximum(predicted_ms, MIN_STEP_MS)
-        )  # [steps]
-        d, m = self.decay, len(ratio)
-        keep = (1.0 - d) ** np.arange(m - 1, -1, -1)  # [steps]: what is left of each step's d
-        total = (1.0 - d) ** m * self._sum.get(shape, 0.0) + d * float(keep @ ratio)
-        self._set(shape, total, self._measured.get(shape, 0) + m)
-
-    def _set(self, shape: TreeShape, total: float, n: int) -> None:
-        d = self.decay
+        n = self._measured.get(shape, 0)
+        total = self._sum.get(shape, 0.0)
+        drift = self._drift
+        if n:
+            # The shape's own average (unshrunk): what this step says beyond it is drift.
+            drift += self.drift_gain * (ratio - drift - total / (1.0 - (1.0 - d) ** n))
+            self._drift = drift
+        total = (1.0 - d) * total + d * (ratio - drift)
+        n += 1
         old = (1.0 - d) ** n  # weight the moving average still gives its zero start
-        new = total / (1.0 - old + self.prior_steps * d * old)
+        part = total / (1.0 - old + self.prior_steps * d * old)
         self._sum[shape] = total
-        self._log[shape] = new
+        self._log[shape] = part
         self._measured[shape] = n
         i = self._cached_index.get(shape)
         if i is not None:
-            self._cached_factors[i] = np.exp(new)
+            self._cached_parts[i] = math.exp(part)
+        if self._cached_shapes is not None:
+            np.multiply(self._cached_parts, math.exp(drift), out=self._cached_factors)
+
+    @property
+    def drift_factor(self) -> float:
+        """The multiplicative correction common to every shape."""
+        return math.exp(self._drift)
 
     def factor(self, shape: TreeShape) -> float:
-        return float(np.exp(self._log.get(shape, 0.0)))
+        return math.exp(self._drift + self._log.get(shape, 0.0))
 
     def factors(self, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` multiplicative corrections."""
         if shapes is not self._cached_shapes:
             self._cached_shapes = shapes
             self._cached_index = {s: i for i, s in enumerate(shapes)}
-            self._cached_factors = np.array([self.factor(s) for s in shapes])
+            self._cached_parts = np.exp([self._log.get(s, 0.0) for s in shapes])
+            self._cached_factors = self._cached_parts * math.exp(self._drift)
         return self._cached_factors
 
     def measured(self, shape: TreeShape) -> int:
@@ -241,9 +265,10 @@ class OnlineCostModel:
         """Observe measured steps, oldest first, as if this model had served them.
 
         A model that replaces another (a refit, a trained policy version) then starts with the
-        per-shape corrections the measurements imply instead of none: otherwise every shape the
-        step-time model gets wrong is chosen again on the same error until it has run for a while,
-        after every refit (the runtime refits after 64 measured steps, then every 128).
+        corrections the measurements imply instead of none: otherwise every shape the step-time
+        model gets wrong is chosen again on the same error until it has run for a while, after
+        every refit (``runtime.AdaTreeRuntime`` refits as soon as every candidate was measured,
+        then at doubling intervals up to every 128 measured steps).
         """
         if not (len(x) == len(shapes) == len(measured_ms)):
             raise ValueError("replay needs one shape and one time per feature row")
@@ -253,12 +278,12 @@ class OnlineCostModel:
         # thread beside the scheduler's). Against the step-time model itself, not the table,
         # which interpolates the same model.
         raw = self.step_time.predict_matrix(x)  # [rows]
-        measured = np.asarray(measured_ms, dtype=np.float64)
-        rows: dict[TreeShape, list[int]] = {}
-        for i, shape in enumerate(shapes):
-            rows.setdefault(shape, []).append(i)
-        for shape, index in rows.items():
-            self.residual.update_many(shape, measured[index], raw[index])
+        # In order, a row at a time: the drift links every shape's rows (4096 rows take a
+        # few ms).
+        update = self.residual.update
+        times = np.asarray(measured_ms, dtype=np.float64).tolist()
+        for shape, ms, predicted in zip(shapes, times, raw.tolist(), strict=True):
+            update(shape, ms, predicted)
 
     def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
         table = self.table

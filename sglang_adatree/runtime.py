@@ -46,10 +46,16 @@ from sglang_adatree.xgb_cost import ArtifactError, XGBoostStepTime
 
 logger = logging.getLogger(__name__)
 
-# Analytic refits need measurements of more than one shape to separate the terms. The first
-# comes after MIN_REFIT_ROWS measured steps: until then every shape is priced by the default
-# model (a GPU's costs on a CPU: trees predicted at 46-70 ms measured 124-272), and each
-# shape must be measured itself to be corrected; later ones every REFIT_EVERY_ROWS.
+# Analytic refits need measurements of more than one shape to separate the terms. Until the
+# first, every shape is priced by the default model (a GPU's costs on a CPU: 10-25x too low)
+# and its own few measurements, shrunk towards that model (``cost_model.PRIOR_STEPS``). The
+# first refit comes once every candidate was measured (the warm-up's first round) and there
+# are FIRST_REFIT_ROWS measured steps, about twice the fit's 7 terms (on this CPU a fit of the
+# first 16 steps of a warm-up predicted the next 700 within 17-20%, as well as one of 64), or
+# else after MIN_REFIT_ROWS (no warm-up, or pins). Later ones come each time the measured steps
+# have doubled, then every REFIT_EVERY_ROWS. Before, the first came after 64 steps: after the
+# warm-up the policy spent 20 steps on the largest trees, 250-530 ms each, predicted at 25-65.
+FIRST_REFIT_ROWS = 16
 MIN_REFIT_ROWS = 64
 REFIT_EVERY_ROWS = 128
 HISTORY_ROWS = 4096
@@ -358,13 +364,14 @@ class AdaTreeRuntime:
     def _refit(self, force: bool) -> OnlineCostModel | None:
         """The analytic model refitted on this server's measured steps, when there are new ones."""
         rows = list(self._history)
-        new = self._measured_total - self._last_refit_rows
-        every = REFIT_EVERY_ROWS if self._last_refit_rows else MIN_REFIT_ROWS
-        if (
-            len(rows) < MIN_REFIT_ROWS
-            or len({m.shape for m in rows}) < 2
-            or (not force and new < every)
-        ):
+        measured_shapes = {m.shape for m in rows}
+        done = self._last_refit_rows
+        if done:
+            due = self._measured_total - done >= min(done, REFIT_EVERY_ROWS)
+        else:
+            covered = measured_shapes.issuperset(self.candidate_shapes)
+            due = len(rows) >= (FIRST_REFIT_ROWS if covered else MIN_REFIT_ROWS)
+        if len(rows) < FIRST_REFIT_ROWS or len(measured_shapes) < 2 or not (force or due):
             return None
         self._last_refit_rows = self._measured_total
         x, shapes, y = self._measured_matrix(rows)

@@ -74,6 +74,44 @@ def test_residual_correction_pulls_towards_measurements():
         float(AnalyticStepTime().predict_matrix(feature_matrix(f, [other]))[0])
     )
     assert model.residual.measured(shape) == 101 and model.residual.measured(other) == 0
+    # A steady shape says nothing of drift.
+    assert model.residual.drift_factor == pytest.approx(1.0)
+
+
+def test_a_cost_of_one_shape_stays_with_that_shape():
+    chain, tree = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
+    f = StepFeatures(1, 200, 200)
+    truth = {chain: 120.0, tree: 150.0}
+    for _ in range(200):
+        for shape, ms in truth.items():
+            model.observe(f, shape, ms)
+    # The tree alone gets dearer while both run in turn: the drift it causes is undone by the
+    # chain's steps, and in the end the tree alone carries it.
+    truth[tree] = 300.0
+    for _ in range(300):
+        for shape, ms in truth.items():
+            model.observe(f, shape, ms)
+    assert model.predict_ms(f, chain) == pytest.approx(120.0, rel=0.01)
+    assert model.predict_ms(f, tree) == pytest.approx(300.0, rel=0.01)
+
+
+def test_a_change_common_to_every_shape_reaches_the_ones_that_do_not_run():
+    chain, tree = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
+    f = StepFeatures(1, 200, 200)
+    truth = {chain: 120.0, tree: 150.0}
+    for _ in range(200):
+        for shape, ms in truth.items():
+            model.observe(f, shape, ms)
+    assert model.predict_ms(f, tree) == pytest.approx(150.0, rel=0.01)
+    # The machine gets 20% faster while only the chain runs (what this CPU did for 200 steps):
+    # the chain learns it, and the tree's prediction follows most of the way (about 80% of the
+    # change in log terms) instead of keeping its old 150 ms.
+    for _ in range(200):
+        model.observe(f, chain, 100.0)
+    assert model.predict_ms(f, chain) == pytest.approx(100.0, rel=0.01)
+    assert model.predict_ms(f, tree) < 150.0 * (100.0 / 120.0) ** 0.75
 
 
 def test_predict_many_matches_predict_one_with_corrections():

@@ -135,9 +135,10 @@ def test_analytic_model_refits_on_measured_steps(tmp_path):
             decision = type(decision)(shape, "explore", 1.0, 1.0)
             measured = 40.0 + 10.0 * shape.num_draft_tokens
             runtime.complete_step(decision, features, measured, [0])
-        # The control thread refits after 64 and 192 rows; a refit handed over while the loop
-        # still ran was already applied by a decide() there (a slow loop on a loaded machine
-        # took both in, and no third refit comes: waiting for a pending one timed out).
+        # The control thread refits once it sees 16 rows of all three shapes, then at 32, 64
+        # and 128 (each polled, so maybe later); a refit handed over while the loop still ran
+        # was already applied by a decide() there (on a loaded machine the loop can take in
+        # the last one, and none comes after it: waiting for a pending one would time out).
         _wait(lambda: runtime._pending is not None or runtime.policy.cost_model is not initial)
         runtime.decide([60])
         predicted = runtime.policy.cost_model.predict_ms_many(features, runtime.candidate_shapes)
@@ -171,23 +172,38 @@ def test_a_refit_keeps_the_corrections_the_measurements_imply(tmp_path):
     assert all(refit.residual.measured(s) == 80 for s in runtime.candidate_shapes)
 
 
-def test_the_first_refit_comes_early_and_later_ones_every_refit_interval(tmp_path):
-    from sglang_adatree.runtime import MIN_REFIT_ROWS, REFIT_EVERY_ROWS
-
-    config = _config(tmp_path, record_steps=False)
-    runtime = AdaTreeRuntime(config, None, control=False)
+def _refits(runtime: AdaTreeRuntime, shapes: list[TreeShape], steps: int) -> list[int]:
+    """The measured-step counts at which ``_refit`` hands over a model, shapes run in turn."""
     refits = []
-    for i in range(1, MIN_REFIT_ROWS + 2 * REFIT_EVERY_ROWS + 1):
-        shape = runtime.candidate_shapes[i % len(runtime.candidate_shapes)]
+    for i in range(1, steps + 1):
+        shape = shapes[i % len(shapes)]
         decision, features = runtime.decide([50 + i % 7])
         decision = type(decision)(shape, "explore", 1.0, 1.0)
         runtime.complete_step(decision, features, 40.0 + 10.0 * shape.num_draft_tokens, [0])
         if runtime._refit(force=False) is not None:
             refits.append(i)
+    return refits
+
+
+def test_the_first_refit_comes_once_every_candidate_was_measured(tmp_path):
+    from sglang_adatree.runtime import FIRST_REFIT_ROWS, REFIT_EVERY_ROWS
+
+    runtime = AdaTreeRuntime(_config(tmp_path, record_steps=False), None, control=False)
+    refits = _refits(runtime, list(runtime.candidate_shapes), 2 * REFIT_EVERY_ROWS + 128)
     # The default model prices a CPU's steps with a GPU's costs: refit as soon as the fit is
-    # determined, then at the steady interval.
-    first = MIN_REFIT_ROWS
-    assert refits == [first, first + REFIT_EVERY_ROWS, first + 2 * REFIT_EVERY_ROWS]
+    # determined, then each time the measurements have doubled, then at the steady interval.
+    first = FIRST_REFIT_ROWS
+    assert refits == [first, 2 * first, 4 * first, 8 * first, 256, 384]
+
+
+def test_without_every_candidate_measured_the_first_refit_waits(tmp_path):
+    from sglang_adatree.runtime import MIN_REFIT_ROWS
+
+    runtime = AdaTreeRuntime(_config(tmp_path, record_steps=False), None, control=False)
+    # Two of the three candidates (as under a pin, or without warm-up): the fit's terms are
+    # less determined, so it waits for more steps.
+    refits = _refits(runtime, list(runtime.candidate_shapes[:2]), 2 * MIN_REFIT_ROWS)
+    assert refits == [MIN_REFIT_ROWS, 2 * MIN_REFIT_ROWS]
 
 
 def test_accepted_counts():

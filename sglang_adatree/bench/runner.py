@@ -32,9 +32,10 @@ from sglang_adatree.config import load_config
 from sglang_adatree.runtime import REFIT_EVERY_ROWS
 
 # An adatree-served server is warm once it has cycled through the candidates (``warmup_steps``
-# decode steps) and refitted its step-time model on its own measurements (first after
-# MIN_REFIT_ROWS steps, then every REFIT_EVERY_ROWS: waiting one interval covers the first refit
-# and the corrections after it), with a margin; or after MAX_WARMUP_BATCHES warm-up batches.
+# decode steps) and refitted its step-time model on its own measurements (first once every
+# candidate was measured, then at doubling intervals up to every REFIT_EVERY_ROWS: waiting one
+# full interval covers the early refits and the corrections after them), with a margin; or
+# after MAX_WARMUP_BATCHES warm-up batches.
 WARMUP_MARGIN_STEPS = 32
 MAX_WARMUP_BATCHES = 12
 
