@@ -8,9 +8,10 @@ Two measurements, each on real SGLang servers started one at a time:
   every request produces exactly ``--new-tokens``; reported as medians and their ratio.
 * shapes: an adatree server that cycles through ``--shapes`` one decode step at a time (a
   warm-up that never ends) with forward profiling on (``ADATREE_PROFILE_PATH``). Each step
-  logs its wall time and the time spent inside model forwards (the draft passes, the verify
-  pass, the draft extend); the report gives per shape the median step time, forward time and
-  their ratio: the overhead of the speculative machinery around the models.
+  logs its wall time, the time spent inside model forwards (the draft passes, the verify pass,
+  the draft extend) and the tokens it emitted; the report gives per shape the median step
+  time, forward time and their ratio (the overhead of the speculative machinery around the
+  models) and the mean emitted tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import requests
 
 from sglang_adatree.bench.configurations import CPU_SERVER_FLAGS
 from sglang_adatree.models.paths import TOKEN_MAP_FILE
+from sglang_adatree.policy import CATCH_UP
 from sglang_adatree.shapes import parse_candidates
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
@@ -58,6 +60,10 @@ class ShapeProfile:
     step_ms: float  # median wall time of the worker's step
     forward_ms: float  # median time inside model forwards during the step
     overhead: float  # median of step / forward
+    emitted: float | None = None  # mean emitted tokens a step (speculative shapes)
+    # Median of step time less the draft's forwards: for steps without speculation, what they
+    # cost when they skip the draft's extend (a profile runs them with it; see measure_shapes).
+    step_less_draft_ms: float | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,12 +153,22 @@ def measure_baseline(
     )
 
 
+def _mean_emitted(rows: list[dict]) -> float | None:
+    values = [r["emitted"] for r in rows if r.get("emitted") is not None]
+    return statistics.fmean(values) if values else None
+
+
 def summarize_profile(path: Path) -> list[ShapeProfile]:
-    """Per-shape medians over the batch-size-1 steps of a profile file."""
+    """Per-shape medians over the batch-size-1 steps of a profile file.
+
+    Catch-up steps are left out: they run no speculation but the draft's extend, so they are
+    neither a plain step nor the speculative shape that follows them (files of servers that
+    skip the draft's extend on steps without speculation have one after each of those).
+    """
     by_shape: dict[str, list[dict]] = defaultdict(list)
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if row["batch_size"] == 1 and row["forward_ms"] > 0:
+        if row["batch_size"] == 1 and row["forward_ms"] > 0 and row.get("source") != CATCH_UP:
             by_shape[row["shape"]].append(row)
     out = []
     for shape, rows in sorted(by_shape.items()):
@@ -163,6 +179,10 @@ def summarize_profile(path: Path) -> list[ShapeProfile]:
                 step_ms=statistics.median(r["step_ms"] for r in rows),
                 forward_ms=statistics.median(r["forward_ms"] for r in rows),
                 overhead=statistics.median(r["step_ms"] / r["forward_ms"] for r in rows),
+                emitted=_mean_emitted(rows),
+                step_less_draft_ms=statistics.median(
+                    r["step_ms"] - r.get("draft_forward_ms", 0.0) for r in rows
+                ),
             )
         )
     return out
@@ -197,6 +217,11 @@ def measure_shapes(
         "ADATREE_PROFILE_PATH": str(profile_path),
         # The largest warm-up allowed: longer than any profile, so the cycle never ends.
         "ADATREE_WARMUP_STEPS": "100000",
+        # Steps without speculation run the draft's extend too: skipped, they would leave gaps
+        # in the draft's cache that lower every later draft's acceptance (a cycle has one such
+        # step per round), and make the next step a catch-up. Their cost without it is their
+        # step time less the draft's forwards (``step_less_draft_ms``).
+        "ADATREE_SKIP_IDLE_DRAFT_EXTEND": "false",
         "ADATREE_RECORD_STEPS": "false",
         "OMP_NUM_THREADS": str(threads),
     }
@@ -212,6 +237,7 @@ def measure_shapes(
 def run(args: argparse.Namespace) -> int:
     from sglang_adatree.bench.workloads import load_workload
     from sglang_adatree.config import load_config
+    from sglang_adatree.models.hardware import cpu_name
     from sglang_adatree.models.paths import ModelPaths
 
     paths = ModelPaths(load_config().home_dir)
@@ -226,7 +252,21 @@ def run(args: argparse.Namespace) -> int:
     prompts = list(load_workload(args.prompts, args.requests).prompts)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="adatree-profile-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"target": str(target), "draft": str(draft), "prompts": args.prompts}
+    result: dict = {
+        "target": str(target),
+        "draft": str(draft),
+        "prompts": args.prompts,
+        # What a model card quoting these figures names (``adatree models evaluate --served``).
+        "settings": {
+            "draft": args.draft or "eagle",
+            "prompts": args.prompts,
+            "shapes": args.shapes,
+            "requests": args.requests,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "cpu": cpu_name(),
+        },
+    }
     if args.baseline:
         print("non-speculative SGLang against transformers (interleaved):", flush=True)
         base = measure_baseline(target, prompts, args.new_tokens, args.threads, work_dir)
@@ -240,10 +280,15 @@ def run(args: argparse.Namespace) -> int:
         target, draft, args.shapes, prompts, args.new_tokens, args.threads, work_dir
     )
     result["shapes"] = [asdict(p) for p in profiles]
-    print(f"{'shape':>8} {'steps':>6} {'step ms':>9} {'forward ms':>11} {'overhead':>9}")
+    print(
+        f"{'shape':>8} {'steps':>6} {'step ms':>9} {'forward ms':>11} {'overhead':>9} "
+        f"{'emitted':>8}"
+    )
     for p in profiles:
+        emitted = "-" if p.emitted is None else f"{p.emitted:.2f}"
         print(
-            f"{p.shape:>8} {p.steps:>6} {p.step_ms:>9.1f} {p.forward_ms:>11.1f} {p.overhead:>9.3f}"
+            f"{p.shape:>8} {p.steps:>6} {p.step_ms:>9.1f} {p.forward_ms:>11.1f} "
+            f"{p.overhead:>9.3f} {emitted:>8}"
         )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -12,13 +12,20 @@ Pass times come from transformers on this CPU, each after a cached context of ``
 tokens, as the median over interleaved rounds (every configuration once per round, so load
 from other processes spreads evenly). The EAGLE head is timed as what SGLang runs for it: fc,
 one decoder layer and an lm_head over the hot vocabulary.
+
+Those pass times are transformers', not the served path's (SGLang with this package's CPU
+path computes a verify pass over a few tokens faster). ``load_served`` and ``served_gains``
+take the served side from ``adatree profile --out``: median step times at batch size 1 of an
+adatree server cycling through the shapes, each against that server's steps without
+speculation (the same timer around both), and the tokens its steps emitted.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +190,83 @@ def shape_gains(
                 round(ms, 2),
                 round(emitted * base / ms, 3),
                 round(ms / base, 3),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class ServedSteps:
+    """Median step times at batch size 1 of a served draft, from ``adatree profile --out``."""
+
+    draft: str  # the draft folder the server ran
+    plain_ms: float  # steps without speculation, less the draft's extend (catch-ups left out)
+    step_ms: dict[str, float]  # speculative shape "S,K,N" -> ms
+    emitted: dict[str, float]  # speculative shape -> mean emitted tokens a step, as served
+    steps: dict[str, int]  # measured steps behind each median, the plain one under "0,1,1"
+    settings: dict  # what ``adatree profile`` ran with (shapes, requests, new_tokens, ...)
+
+
+NO_SPEC_KEY = "0,1,1"
+
+
+def load_served(path: Path) -> ServedSteps:
+    """Read a profile written by ``adatree profile --out``; ValueError says what is missing."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the served profile {path}: {exc}") from exc
+    rows = data.get("shapes") if isinstance(data, dict) else None
+    if not rows or "draft" not in data:
+        raise ValueError(f"{path} is not an `adatree profile --out` file (no draft, no shapes)")
+    by_shape = {r["shape"]: r for r in rows}
+    if NO_SPEC_KEY not in by_shape:
+        raise ValueError(
+            f"{path} has no steps without speculation to compare with: profile with shape 0 "
+            "among --shapes"
+        )
+    speculative = {k: r for k, r in by_shape.items() if k != NO_SPEC_KEY}
+    unmeasured = [k for k, r in speculative.items() if r.get("emitted") is None]
+    if unmeasured:
+        raise ValueError(
+            f"{path} has no emitted tokens for {', '.join(unmeasured)} (a profile from before "
+            "they were logged): run `adatree profile` again"
+        )
+    return ServedSteps(
+        draft=data["draft"],
+        plain_ms=float(
+            by_shape[NO_SPEC_KEY].get("step_less_draft_ms") or by_shape[NO_SPEC_KEY]["step_ms"]
+        ),
+        step_ms={k: float(r["step_ms"]) for k, r in speculative.items()},
+        emitted={k: float(r["emitted"]) for k, r in speculative.items()},
+        steps={k: int(r["steps"]) for k, r in by_shape.items()},
+        settings=dict(data.get("settings") or {}),
+    )
+
+
+def served_gains(served: ServedSteps, depths: Sequence[int]) -> list[ShapeGain]:
+    """The chains of these depths that the profile measured, as served: step times and
+    emitted tokens both from the server.
+
+    Only chains: SGLang's trees keep the best nodes of each layer, not ``k`` children per node,
+    so the static trees ``shape_gains`` names are not shapes a server runs.
+    """
+    out = []
+    for depth in depths:
+        key = f"{depth},1,{depth + 1}"
+        if key not in served.step_ms:
+            continue
+        ms, emitted = served.step_ms[key], served.emitted[key]
+        out.append(
+            ShapeGain(
+                f"chain {depth}",
+                depth,
+                1,
+                depth + 1,
+                round(emitted, 3),
+                round(ms, 2),
+                round(emitted * served.plain_ms / ms, 3),
+                round(ms / served.plain_ms, 3),
             )
         )
     return out

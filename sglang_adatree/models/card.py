@@ -8,14 +8,25 @@ times on this machine, then renders the card from those figures and the training
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_adatree.models import prompts
-from sglang_adatree.models.breakeven import PassTimes, ShapeGain
+from sglang_adatree.models.breakeven import PassTimes, ServedSteps, ShapeGain
 from sglang_adatree.models.datagen import LEGACY_DEFAULTS
 from sglang_adatree.models.evaluate import Agreement
 
 HEADLINE_SET = "eval-mtbench"
+
+
+@dataclass(frozen=True)
+class ServedSection:
+    """The card's served figures: a profile, the chains it measured, the file it came from."""
+
+    steps: ServedSteps
+    gains: list[ShapeGain]
+    file: str
+
 
 ARCHITECTURE = {
     "eagle": (
@@ -64,6 +75,52 @@ def _gain_table(gains: list[ShapeGain]) -> list[str]:
             f"{g.step_ms:.1f} | {g.break_even_emitted:.2f} | {g.speedup:.2f}x |"
         )
     return lines
+
+
+def _served_lines(section: ServedSection, agreement_emitted: dict[int, float]) -> list[str]:
+    st = section.steps.settings
+    profile_command = (
+        f"adatree profile --draft {st.get('draft', '?')} --shapes '{st.get('shapes', '?')}' "
+        f"--requests {st.get('requests', '?')} --new-tokens {st.get('new_tokens', '?')} "
+        f"--threads {st.get('threads', '?')} --out {section.file}"
+    )
+    where = f" of an {st['cpu']}" if st.get("cpu") else ""
+    lines = [
+        "### Served by SGLang on this CPU",
+        "",
+        f"The passes above are transformers'. Served by SGLang 0.5.23 with this package's CPU "
+        f"path ({st.get('threads', '?')} threads{where}): median step times at batch size 1 and "
+        f"the mean emitted tokens of an adatree server cycling through the shapes one step at a "
+        f"time on {st.get('prompts', 'MT-bench')} prompts (`{profile_command}`), against that "
+        f"server's own steps without speculation ({section.steps.plain_ms:.1f} ms over "
+        f"{section.steps.steps.get('0,1,1', 0)} steps, less the draft's extend, which the "
+        "profile runs on them to keep the draft's cache whole); speedup = emitted x plain step "
+        "/ step. The emitted tokens the held-out agreement above predicts are beside them:",
+        "",
+    ]
+    if not section.gains:
+        return [*lines, "The profile measured none of the chains above.", ""]
+    lines += [
+        "| shape | steps, topk, draft tokens | emitted tokens / step (served) | predicted by "
+        "agreement | step ms | break-even emitted | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g in section.gains:
+        predicted = agreement_emitted.get(g.steps)
+        lines.append(
+            f"| {g.name} | {g.steps}, {g.topk}, {g.num_draft_tokens} | {g.emitted:.2f} | "
+            f"{'-' if predicted is None else f'{predicted:.2f}'} | {g.step_ms:.1f} | "
+            f"{g.break_even_emitted:.2f} | {g.speedup:.2f}x |"
+        )
+    best = max(section.gains, key=lambda g: g.speedup)
+    return [
+        *lines,
+        "",
+        f"Best served chain: {best.name} at {best.speedup:.2f}x. SGLang's trees keep the best "
+        "nodes of each layer rather than k children per node, so they are not the trees above; "
+        "`adatree bench` measures them served.",
+        "",
+    ]
 
 
 def train_command_line(
@@ -249,6 +306,7 @@ def render(
     gains: list[ShapeGain],
     command: str,
     extra: dict,
+    served: ServedSection | None = None,
 ) -> str:
     """The card's Markdown."""
     headline = next(r for r in results if r.data == HEADLINE_SET)
@@ -346,6 +404,7 @@ def render(
         f"Best here: {best.name} at {best.speedup:.2f}x. A shape pays when its emitted tokens "
         "exceed its break-even column.",
         "",
+        *(_served_lines(served, headline.chain_emitted) if served is not None else []),
     ]
     return "\n".join(lines)
 

@@ -92,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="chain depth for step-k agreement")
     p.add_argument("--json", dest="json_out", help="also write the figures to this file")
     p.add_argument("--card", action="store_true", help="time passes, write MODEL_CARD.md")
+    p.add_argument(
+        "--served",
+        help="with --card: add served step times from this `adatree profile --out` file",
+    )
 
     sub.add_parser("path", help="print where the prepared target and the drafts are")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_adatree.models import eagle, standalone
+from sglang_adatree.models import breakeven, eagle, standalone
 from sglang_adatree.models.data import SequenceSet, batches, load_sequences, make_batch
 from sglang_adatree.models.paths import EAGLE_NAME, STANDALONE_NAME, ModelPaths, shipped_weights
 
@@ -163,8 +163,35 @@ def evaluate_draft(
     return results
 
 
+def served_profile(args: argparse.Namespace, paths: ModelPaths):
+    """The ``--served`` profile, checked before the evaluation's long pass; None without it.
+
+    Raises ValueError for a profile that cannot describe this card's draft."""
+    from sglang_adatree.models import breakeven
+
+    if not getattr(args, "served", None):
+        return None
+    if not args.card:
+        raise ValueError("--served adds served step times to the model card: use it with --card")
+    if args.weights:
+        raise ValueError("--served profiles the bundled draft's server: not with --weights")
+    served = breakeven.load_served(Path(args.served))
+    expected = paths.eagle_dir if args.draft == "eagle" else paths.standalone_dir
+    if Path(served.draft).name != expected.name:
+        raise ValueError(
+            f"{args.served} profiled the draft {served.draft}, not the bundled {args.draft} "
+            f"draft ({expected}): run `adatree profile --draft {args.draft} ...`"
+        )
+    return served
+
+
 def evaluate_command(args: argparse.Namespace, paths: ModelPaths) -> int:
     weights = Path(args.weights) if args.weights else None
+    try:
+        served = served_profile(args, paths)
+    except ValueError as exc:
+        print(f"adatree models evaluate: {exc}")
+        return 2
     results = evaluate_draft(paths, args.draft, args.data, weights, args.steps)
     for r in results:
         cond = ", ".join(f"{c:.2f}" for c in r.conditional_top1)
@@ -177,17 +204,21 @@ def evaluate_command(args: argparse.Namespace, paths: ModelPaths) -> int:
         )
     figures: dict = {"agreement": [asdict(r) for r in results]}
     if args.card:
-        figures.update(_write_card(args, paths, weights, results))
+        figures.update(_write_card(args, paths, weights, results, served))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
 
 def _write_card(
-    args: argparse.Namespace, paths: ModelPaths, weights: Path | None, results: list[Agreement]
+    args: argparse.Namespace,
+    paths: ModelPaths,
+    weights: Path | None,
+    results: list[Agreement],
+    served: breakeven.ServedSteps | None = None,
 ) -> dict:
     """Time the passes, compute where speculation pays and write MODEL_CARD.md."""
-    from sglang_adatree.models import breakeven, card
+    from sglang_adatree.models import card
 
     name = EAGLE_NAME if args.draft == "eagle" else STANDALONE_NAME
     folder = weights or shipped_weights(name)
@@ -199,6 +230,14 @@ def _write_card(
     gains = breakeven.shape_gains(times, args.draft, headline.chain_emitted, headline.tree_emitted)
     for g in gains:
         print(f"{g.name}: emitted {g.emitted:.2f}, step {g.step_ms:.1f} ms, {g.speedup:.2f}x")
+    served_gains = None
+    if served is not None:
+        served_gains = breakeven.served_gains(served, list(headline.chain_emitted))
+        for g in served_gains:
+            print(
+                f"served {g.name}: emitted {g.emitted:.2f}, step {g.step_ms:.1f} ms, "
+                f"{g.speedup:.2f}x"
+            )
     from safetensors.torch import load_file
 
     tensors = load_file(folder / "model.safetensors")
@@ -212,9 +251,15 @@ def _write_card(
         f"adatree models evaluate {args.draft} --data {' '.join(args.data)} "
         f"--steps {args.steps} --card"
     )
+    if served is not None:
+        command += f" --served {Path(args.served).name}"
     title = f"{name}: {'EAGLE head' if args.draft == 'eagle' else 'standalone draft'}"
     figures = {"pass_times": asdict(times), "gains": [asdict(g) for g in gains]}
-    text = card.render(args.draft, title, training, results, times, gains, command, extra)
+    section = None
+    if served is not None and served_gains is not None:
+        figures["served"] = {**asdict(served), "gains": [asdict(g) for g in served_gains]}
+        section = card.ServedSection(served, served_gains, Path(args.served).name)
+    text = card.render(args.draft, title, training, results, times, gains, command, extra, section)
     card.write(folder, text, {"agreement": [asdict(r) for r in results], **figures})
     print(f"wrote {folder / 'MODEL_CARD.md'}")
     return figures

@@ -2,9 +2,11 @@
 
 Off unless ``ADATREE_PROFILE_PATH`` names a file. Then every ``ModelRunner.forward`` call (the
 target's verify pass, each draft pass, the draft extend) is timed, and the worker appends one
-JSON line per decode step to that file: the shape, the batch size, the step's wall time and
-the part of it spent inside model forwards. ``adatree profile`` reads these lines to report the
-overhead of the speculative machinery around the models.
+JSON line per decode step to that file: the shape, the decision's source, the emitted tokens
+per request (speculative steps), the batch size, the step's wall time and the part of it spent
+inside model forwards, all of them and the draft's. ``adatree profile`` reads these lines to
+report the overhead of the speculative machinery around the models, and the served step times
+and acceptance a model card can quote (``adatree models evaluate --card --served``).
 
 Forward times are host wall time, which on a CPU is the computation itself; on a GPU they
 would only cover kernel launches, so the profile is a CPU tool.
@@ -22,9 +24,11 @@ PROFILE_ENV = "ADATREE_PROFILE_PATH"
 
 
 class ForwardClock:
-    """Seconds spent inside model forwards, summed since the process started."""
+    """Seconds spent inside model forwards, summed since the process started; the draft's
+    share (its ``ModelRunner`` is a draft worker's) also on its own."""
 
     seconds = 0.0
+    draft_seconds = 0.0
     calls = 0
 
 
@@ -33,8 +37,11 @@ def _timed_forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     try:
         return original(*args, **kwargs)
     finally:
-        ForwardClock.seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        ForwardClock.seconds += elapsed
         ForwardClock.calls += 1
+        if args and getattr(args[0], "is_draft_worker", False):
+            ForwardClock.draft_seconds += elapsed
 
 
 def install_hooks() -> None:
@@ -57,6 +64,7 @@ class StepProfiler:
         path = os.environ.get(PROFILE_ENV)
         self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives with the worker
         self._forward_s = 0.0
+        self._draft_s = 0.0
         self._calls = 0
 
     @property
@@ -65,16 +73,27 @@ class StepProfiler:
 
     def begin(self) -> None:
         self._forward_s = ForwardClock.seconds
+        self._draft_s = ForwardClock.draft_seconds
         self._calls = ForwardClock.calls
 
-    def end(self, shape: str, batch_size: int, step_s: float) -> None:
+    def end(
+        self,
+        shape: str,
+        batch_size: int,
+        step_s: float,
+        source: str = "",
+        emitted: float | None = None,
+    ) -> None:
         if self._file is None:
             return
         record = {
             "shape": shape,
+            "source": source,  # the decision's: a catch-up step is no speculation plus an extend
+            "emitted": emitted,  # tokens per request, speculative steps only
             "batch_size": batch_size,
             "step_ms": step_s * 1000.0,
             "forward_ms": (ForwardClock.seconds - self._forward_s) * 1000.0,
+            "draft_forward_ms": (ForwardClock.draft_seconds - self._draft_s) * 1000.0,
             "forward_calls": ForwardClock.calls - self._calls,
         }
         self._file.write(json.dumps(record) + "\n")

@@ -355,7 +355,13 @@ class AdaTreeWorkerMixin:
                 stats = _to_host(stats)
         if end_event is None:
             finished = time.perf_counter()
-            self._profiler.end(str(shape), len(batch.reqs), finished - started)
+            if self._profiler.enabled:
+                emitted = None  # per request, the batch's mean: accepted draft tokens + 1
+                if shape.speculative and getattr(output, "accept_lens", None) is not None:
+                    emitted = float(output.accept_lens.float().mean())
+                self._profiler.end(
+                    str(shape), len(batch.reqs), finished - started, decision.source, emitted
+                )
         self._pending.append(
             PendingStep(
                 shape=shape,
