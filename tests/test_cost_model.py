@@ -78,14 +78,23 @@ def test_residual_correction_pulls_towards_measurements():
     assert model.residual.drift_factor == pytest.approx(1.0)
 
 
-def test_a_cost_of_one_shape_stays_with_that_shape():
-    chain, tree = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
+CHAIN, TREE = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
+AT_BATCH_1 = StepFeatures(1, 200, 200)
+
+
+def _settled(truth: dict[TreeShape, float], rounds: int = 200) -> OnlineCostModel:
+    """A cost model that has seen the shapes of ``truth`` run in turn at those step times."""
     model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
-    f = StepFeatures(1, 200, 200)
-    truth = {chain: 120.0, tree: 150.0}
-    for _ in range(200):
+    for _ in range(rounds):
         for shape, ms in truth.items():
-            model.observe(f, shape, ms)
+            model.observe(AT_BATCH_1, shape, ms)
+    return model
+
+
+def test_a_cost_of_one_shape_stays_with_that_shape():
+    chain, tree, f = CHAIN, TREE, AT_BATCH_1
+    truth = {chain: 120.0, tree: 150.0}
+    model = _settled(truth)
     # The tree alone gets dearer while both run in turn: the drift it causes is undone by the
     # chain's steps, and in the end the tree alone carries it.
     truth[tree] = 300.0
@@ -97,13 +106,8 @@ def test_a_cost_of_one_shape_stays_with_that_shape():
 
 
 def test_a_change_common_to_every_shape_reaches_the_ones_that_do_not_run():
-    chain, tree = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
-    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
-    f = StepFeatures(1, 200, 200)
-    truth = {chain: 120.0, tree: 150.0}
-    for _ in range(200):
-        for shape, ms in truth.items():
-            model.observe(f, shape, ms)
+    chain, tree, f = CHAIN, TREE, AT_BATCH_1
+    model = _settled({chain: 120.0, tree: 150.0})
     assert model.predict_ms(f, tree) == pytest.approx(150.0, rel=0.01)
     # The machine gets 20% faster while only the chain runs (what this CPU did for 200 steps):
     # the chain learns it, and the tree's prediction follows most of the way (about 80% of the

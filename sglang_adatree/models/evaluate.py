@@ -163,12 +163,10 @@ def evaluate_draft(
     return results
 
 
-def served_profile(args: argparse.Namespace, paths: ModelPaths):
+def served_profile(args: argparse.Namespace, paths: ModelPaths) -> breakeven.ServedSteps | None:
     """The ``--served`` profile, checked before the evaluation's long pass; None without it.
 
     Raises ValueError for a profile that cannot describe this card's draft."""
-    from sglang_adatree.models import breakeven
-
     if not getattr(args, "served", None):
         return None
     if not args.card:
