@@ -178,13 +178,14 @@ class ResidualCorrection:
         n = self._measured.get(shape, 0)
         total = self._sum.get(shape, 0.0)
         drift = self._drift
+        kept = (1.0 - d) ** n  # weight the moving average still gives its zero start
         if n:
             # The shape's own average (unshrunk): what this step says beyond it is drift.
-            drift += self.drift_gain * (ratio - drift - total / (1.0 - (1.0 - d) ** n))
+            drift += self.drift_gain * (ratio - drift - total / (1.0 - kept))
             self._drift = drift
         total = (1.0 - d) * total + d * (ratio - drift)
         n += 1
-        old = (1.0 - d) ** n  # weight the moving average still gives its zero start
+        old = kept * (1.0 - d)  # the same weight after this step
         part = total / (1.0 - old + self.prior_steps * d * old)
         self._sum[shape] = total
         self._log[shape] = part

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from sglang_adatree.models.hardware import cpu_name
+from sglang_adatree.shapes import NO_SPEC, TreeShape
 
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 16, 24)
 
@@ -203,11 +204,11 @@ class ServedSteps:
     plain_ms: float  # steps without speculation, less the draft's extend (catch-ups left out)
     step_ms: dict[str, float]  # speculative shape "S,K,N" -> ms
     emitted: dict[str, float]  # speculative shape -> mean emitted tokens a step, as served
-    steps: dict[str, int]  # measured steps behind each median, the plain one under "0,1,1"
+    steps: dict[str, int]  # measured steps behind each median, the plain one under NO_SPEC_KEY
     settings: dict  # what ``adatree profile`` ran with (shapes, requests, new_tokens, ...)
 
 
-NO_SPEC_KEY = "0,1,1"
+NO_SPEC_KEY = str(NO_SPEC)  # how a profile names steps without speculation
 
 
 def load_served(path: Path) -> ServedSteps:
@@ -253,7 +254,7 @@ def served_gains(served: ServedSteps, depths: Sequence[int]) -> list[ShapeGain]:
     """
     out = []
     for depth in depths:
-        key = f"{depth},1,{depth + 1}"
+        key = str(TreeShape(depth, 1, depth + 1))
         if key not in served.step_ms:
             continue
         ms, emitted = served.step_ms[key], served.emitted[key]

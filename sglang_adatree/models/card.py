@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_adatree.models import prompts
-from sglang_adatree.models.breakeven import PassTimes, ServedSteps, ShapeGain
+from sglang_adatree.models.breakeven import NO_SPEC_KEY, PassTimes, ServedSteps, ShapeGain
 from sglang_adatree.models.datagen import LEGACY_DEFAULTS
 from sglang_adatree.models.evaluate import Agreement
 
@@ -93,7 +93,7 @@ def _served_lines(section: ServedSection, agreement_emitted: dict[int, float]) -
         f"the mean emitted tokens of an adatree server cycling through the shapes one step at a "
         f"time on {st.get('prompts', 'MT-bench')} prompts (`{profile_command}`), against that "
         f"server's own steps without speculation ({section.steps.plain_ms:.1f} ms over "
-        f"{section.steps.steps.get('0,1,1', 0)} steps, less the draft's extend, which the "
+        f"{section.steps.steps.get(NO_SPEC_KEY, 0)} steps, less the draft's extend, which the "
         "profile runs on them to keep the draft's cache whole); speedup = emitted x plain step "
         "/ step. The emitted tokens the held-out agreement above predicts are beside them:",
         "",

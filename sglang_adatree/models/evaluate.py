@@ -228,7 +228,7 @@ def _write_card(
     gains = breakeven.shape_gains(times, args.draft, headline.chain_emitted, headline.tree_emitted)
     for g in gains:
         print(f"{g.name}: emitted {g.emitted:.2f}, step {g.step_ms:.1f} ms, {g.speedup:.2f}x")
-    served_gains = None
+    served_gains: list[breakeven.ShapeGain] = []
     if served is not None:
         served_gains = breakeven.served_gains(served, list(headline.chain_emitted))
         for g in served_gains:
@@ -254,7 +254,7 @@ def _write_card(
     title = f"{name}: {'EAGLE head' if args.draft == 'eagle' else 'standalone draft'}"
     figures = {"pass_times": asdict(times), "gains": [asdict(g) for g in gains]}
     section = None
-    if served is not None and served_gains is not None:
+    if served is not None:
         figures["served"] = {**asdict(served), "gains": [asdict(g) for g in served_gains]}
         section = card.ServedSection(served, served_gains, Path(args.served).name)
     text = card.render(args.draft, title, training, results, times, gains, command, extra, section)
