@@ -29,7 +29,7 @@ def _server_info(result: Any, controller: Any, state: dict) -> None:
 
 
 def register() -> None:
-    """Register the ``adatree`` speculative algorithm and the CPU path's hooks (idempotent)."""
+    """Register the ``adatree`` algorithm, its CPU hooks and empty-prompt checks (idempotent)."""
     global _registered
     if _registered:
         return
@@ -41,7 +41,7 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_adatree.sglang import cpu, profiling
+    from sglang_adatree.sglang import cpu, empty_prompts, profiling
     from sglang_adatree.sglang.spec_algo import (
         ALGORITHM_NAME,
         AdaTreeSpecAlgo,
@@ -62,5 +62,6 @@ def register() -> None:
         HookType.AFTER,
     )
     cpu.install_hooks()
+    empty_prompts.install_hooks()
     profiling.install_hooks()
     _registered = True
