@@ -2,9 +2,9 @@
 
 ``create_app(config)`` builds the app. Pages and the JSON API under ``/api/`` share one query
 function per dataset (``admin.queries``); ``admin.charts`` turns query results into Plotly
-figures; ``admin.actions`` makes the audited changes. Blueprints, one concept each: auth,
-overview, shapes, cost_model, policies, pins, retrain, runs, audit, openapi; Plotly's
-JavaScript is served from the installed package at ``/assets/plotly.min.js``.
+figures; the audited changes (pins, policy versions) are ``telemetry.control``'s. Blueprints,
+one concept each: auth, overview, shapes, cost_model, policies, pins, retrain, runs, audit,
+openapi; Plotly's JavaScript is served from the installed package at ``/assets/plotly.min.js``.
 ``adatree admin`` (``admin.commands``) serves it with waitress.
 
 Settings (``config`` keys; environment variables where noted):
@@ -31,8 +31,7 @@ from typing import Any
 import plotly
 from flask import Flask, Response, send_file
 from flask.typing import ResponseReturnValue
-
-from admin import (
+from sglang_adatree.admin import (
     audit,
     auth,
     cost_model,
@@ -46,9 +45,10 @@ from admin import (
     shapes,
     web,
 )
+
 from sglang_adatree.config import load_config
+from sglang_adatree.core.xgb_cost import DEFAULT_ROUNDS
 from sglang_adatree.telemetry.store import check_schema_at_head, get_engine
-from sglang_adatree.xgb_cost import DEFAULT_ROUNDS
 
 MIN_TOKEN_CHARS = 8
 TOKEN_ENV = "ADATREE_ADMIN_TOKEN"

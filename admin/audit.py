@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify, render_template
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import web
+from sglang_adatree.admin.queries import runs
 
-from admin import web
-from admin.queries import control, runs
+from sglang_adatree.telemetry import control
 
 bp = Blueprint("audit", __name__)
 

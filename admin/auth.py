@@ -29,8 +29,7 @@ from flask import (
     url_for,
 )
 from flask.typing import ResponseReturnValue
-
-from admin.errors import AdminError, is_api_request
+from sglang_adatree.admin.errors import AdminError, is_api_request
 
 bp = Blueprint("auth", __name__)
 

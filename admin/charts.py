@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 from markupsafe import Markup
 from plotly.io.json import to_json_plotly
-
-from admin.queries.costs import CostReport
-from admin.queries.shapes import ShapeUsage
-from admin.queries.sums import Points
+from sglang_adatree.admin.queries.costs import CostReport
+from sglang_adatree.admin.queries.shapes import ShapeUsage
+from sglang_adatree.admin.queries.sums import Points
 
 Figure = dict[str, Any]  # Plotly's figure JSON: {"data": [...], "layout": {...}}
 

@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _warm(app: Flask) -> None:
     """Fill the latest run's granule cache, so the first long-range view is fast too."""
-    from admin import web
-    from admin.queries import runs
+    from sglang_adatree.admin import web
+    from sglang_adatree.admin.queries import runs
 
     with app.app_context():
         state = web.state()
@@ -67,8 +67,7 @@ def _warm(app: Flask) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import waitress
-
-    from admin import create_app
+    from sglang_adatree.admin import create_app
 
     if not 1 <= args.port <= 65535:
         print(f"adatree admin: --port must be in [1, 65535], got {args.port}")

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify, render_template
 from flask.typing import ResponseReturnValue
-
-from admin import charts, params, web
-from admin.queries import runs
-from admin.queries.costs import cost_report
+from sglang_adatree.admin import charts, params, web
+from sglang_adatree.admin.queries import runs
+from sglang_adatree.admin.queries.costs import cost_report
 
 bp = Blueprint("cost_model", __name__)
 

@@ -1,6 +1,7 @@
 """Every error as a 4xx the caller can read: JSON under ``/api/``, an HTML page elsewhere.
 
-Views raise ``AdminError(status, message)`` for bad input and refused changes; Werkzeug's own
+Views raise ``AdminError(status, message)`` for bad input, and the operator-control module
+raises ``ControlError`` (its base class) for refused changes; Werkzeug's own
 HTTP errors (unknown route, wrong method, body too large) get the same two renderings. An
 unexpected exception is logged and answered 500 in the same format (the tests fuzz the API to
 keep that from happening).
@@ -14,17 +15,13 @@ from flask import Flask, Response, jsonify, render_template, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
+from sglang_adatree.telemetry.control import ControlError
+
 log = logging.getLogger(__name__)
 
 
-class AdminError(Exception):
-    """A refused request: ``status`` (4xx) and a message for the operator."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        assert 400 <= status < 500, f"AdminError is for 4xx answers, got {status}"
-        self.status = status
-        self.message = message
+class AdminError(ControlError):
+    """A request the dashboard refuses itself: ``status`` (4xx) and a message."""
 
 
 def is_api_request() -> bool:
@@ -38,8 +35,8 @@ def error_response(status: int, message: str) -> tuple[Response | str, int]:
 
 
 def register(app: Flask) -> None:
-    @app.errorhandler(AdminError)
-    def _admin_error(exc: AdminError) -> ResponseReturnValue:
+    @app.errorhandler(ControlError)
+    def _refused(exc: ControlError) -> ResponseReturnValue:
         return error_response(exc.status, exc.message)
 
     @app.errorhandler(HTTPException)

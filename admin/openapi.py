@@ -10,10 +10,10 @@ from typing import Any
 
 from flask import Blueprint, jsonify
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import params
+from sglang_adatree.admin.queries.runs import DEFAULT_RANGE, RANGES
 
-from admin import params
-from admin.queries.runs import DEFAULT_RANGE, RANGES
-from sglang_adatree import retrain
+from sglang_adatree.tools import retrain
 
 bp = Blueprint("openapi", __name__)
 
@@ -126,6 +126,7 @@ SCHEMAS: dict[str, Any] = {
             "rank": {"type": "integer"},
             "dropped_steps": {"type": "integer"},
             "rejected_steps": {"type": "integer"},
+            "unfinished_steps": {"type": "integer"},
             "last_step_index": NULLABLE_INT,
             "candidate_shapes": {"type": "array", "items": {"type": "string"}},
         },

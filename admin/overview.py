@@ -7,10 +7,11 @@ from typing import Any
 
 from flask import Blueprint, Response, render_template, url_for
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import charts, params, web
+from sglang_adatree.admin.queries import runs, timeseries
 from sqlalchemy import Connection
 
-from admin import charts, params, web
-from admin.queries import control, runs, timeseries
+from sglang_adatree.telemetry import control
 
 bp = Blueprint("overview", __name__)
 

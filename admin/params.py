@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from flask import request
+from sglang_adatree.admin.errors import AdminError
+from sglang_adatree.admin.queries.runs import DEFAULT_RANGE, RANGES
 
-from admin.errors import AdminError
-from admin.queries.runs import DEFAULT_RANGE, RANGES
-from sglang_adatree.shapes import ShapeError, TreeShape
+from sglang_adatree.core.shapes import ShapeError, TreeShape
 
 MAX_ID = 2**31 - 1  # ids and versions are 32-bit integers in the schema
 MAX_BATCH_SIZE = 1_000_000

@@ -1,5 +1,6 @@
-"""Pins: force a shape for all batches or a batch-size range, with a reason; clear it. Only
-shapes of the candidate set (``queries.runs.candidate_set``) can be pinned."""
+"""Pins: force a shape for all batches or a batch-size range, with a reason; clear it. The
+rules (only shapes of the candidate set, bounds, the audit entry) are
+``telemetry.control``'s."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 
 from flask import Blueprint, flash, jsonify, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import auth, params, web
+from sglang_adatree.admin.errors import AdminError
+from sglang_adatree.admin.queries import runs
+from sqlalchemy import Connection
 
-from admin import actions, auth, params, web
-from admin.errors import AdminError
-from admin.queries import control, runs
+from sglang_adatree.core.policy import Pin
+from sglang_adatree.telemetry import control
 
 bp = Blueprint("pins", __name__)
 
@@ -19,24 +23,24 @@ PIN_ID = "<int(min=1, max=2147483647):pin_id>"
 FIELDS = {"shape", "min_batch_size", "max_batch_size", "reason"}
 
 
-def _pin_request(values: Mapping[str, Any]) -> actions.PinRequest:
+def _pin_request(values: Mapping[str, Any]) -> tuple[Pin, str]:
+    """The pin and its reason from a form or JSON body (400 for anything malformed)."""
     if "shape" not in values or "reason" not in values:
         raise AdminError(400, "shape and reason are required")
     bounds = (1, params.MAX_BATCH_SIZE)
-    return actions.PinRequest(
-        shape=params.parse_shape(values["shape"]),
-        min_batch_size=params.parse_optional_int(
-            values.get("min_batch_size"), "min_batch_size", *bounds
-        ),
-        max_batch_size=params.parse_optional_int(
-            values.get("max_batch_size"), "max_batch_size", *bounds
-        ),
-        reason=params.parse_reason(values["reason"]),
-    )
+    try:
+        pin = Pin(
+            params.parse_shape(values["shape"]),
+            params.parse_optional_int(values.get("min_batch_size"), "min_batch_size", *bounds),
+            params.parse_optional_int(values.get("max_batch_size"), "max_batch_size", *bounds),
+        )
+    except ValueError as exc:  # the pin's own rules: bounds >= 1, min <= max
+        raise AdminError(400, str(exc)) from None
+    return pin, params.parse_reason(values["reason"])
 
 
-def _candidates(conn) -> runs.CandidateSet:
-    return runs.candidate_set(conn, web.state().config)
+def _candidates(conn: Connection) -> control.CandidateSet:
+    return control.candidate_set(conn, web.state().config.candidate_shapes)
 
 
 @bp.get("/pins")
@@ -60,10 +64,10 @@ def page() -> ResponseReturnValue:
 @bp.post("/pins")
 def create() -> ResponseReturnValue:
     """Pin a shape from the page's form."""
-    req = _pin_request(request.form)
+    pin, reason = _pin_request(request.form)
     with web.writing() as conn:
-        pin = actions.create_pin(conn, _candidates(conn), req, auth.actor())
-    flash(f"pinned shape {pin.shape} for {pin.batch_range()}")
+        record = control.create_pin(conn, _candidates(conn), pin, reason, auth.actor())
+    flash(f"pinned shape {record.shape} for {record.batch_range()}")
     return redirect(url_for("pins.page"))
 
 
@@ -71,8 +75,8 @@ def create() -> ResponseReturnValue:
 def clear(pin_id: int) -> ResponseReturnValue:
     """Clear a pin from the page's form."""
     with web.writing() as conn:
-        pin = actions.clear_pin(conn, pin_id, auth.actor())
-    flash(f"cleared pin {pin.id} ({pin.shape})")
+        record = control.clear_pin(conn, pin_id, auth.actor())
+    flash(f"cleared pin {record.id} ({record.shape})")
     return redirect(url_for("pins.page"))
 
 
@@ -94,10 +98,10 @@ def api_list() -> ResponseReturnValue:
 @bp.post("/api/pins")
 def api_create() -> ResponseReturnValue:
     """Pin a shape."""
-    req = _pin_request(params.json_body(allowed=FIELDS, required={"shape", "reason"}))
+    pin, reason = _pin_request(params.json_body(allowed=FIELDS, required={"shape", "reason"}))
     with web.writing() as conn:
-        pin = actions.create_pin(conn, _candidates(conn), req, auth.actor())
-    return jsonify(pin.to_json()), 201
+        record = control.create_pin(conn, _candidates(conn), pin, reason, auth.actor())
+    return jsonify(record.to_json()), 201
 
 
 @bp.post(f"/api/pins/{PIN_ID}/clear")
@@ -105,5 +109,5 @@ def api_clear(pin_id: int) -> ResponseReturnValue:
     """Clear a pin."""
     params.json_body(allowed=set())
     with web.writing() as conn:
-        pin = actions.clear_pin(conn, pin_id, auth.actor())
-    return jsonify(pin.to_json())
+        record = control.clear_pin(conn, pin_id, auth.actor())
+    return jsonify(record.to_json())

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from flask import Blueprint, flash, jsonify, redirect, render_template, url_for
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import auth, params, web
+from sglang_adatree.admin.queries import runs
 
-from admin import actions, auth, params, web
-from admin.queries import control, runs
+from sglang_adatree.telemetry import control
 
 bp = Blueprint("policies", __name__)
 
@@ -28,7 +29,7 @@ def page() -> ResponseReturnValue:
 def activate(version: int) -> ResponseReturnValue:
     """Activate a version from the page's form."""
     with web.writing() as conn:
-        actions.activate_policy(conn, version, auth.actor())
+        control.activate_policy(conn, version, auth.actor())
     flash(f"policy version {version} is now active")
     return redirect(url_for("policies.page"))
 
@@ -37,7 +38,7 @@ def activate(version: int) -> ResponseReturnValue:
 def rollback() -> ResponseReturnValue:
     """Roll back from the page's form."""
     with web.writing() as conn:
-        policy = actions.rollback_policy(conn, auth.actor())
+        policy = control.rollback_policy(conn, auth.actor())
     flash(f"rolled back: policy version {policy.version} is active again")
     return redirect(url_for("policies.page"))
 
@@ -56,7 +57,7 @@ def api_activate(version: int) -> ResponseReturnValue:
     """Activate a version."""
     params.json_body(allowed=set())
     with web.writing() as conn:
-        policy = actions.activate_policy(conn, version, auth.actor())
+        policy = control.activate_policy(conn, version, auth.actor())
     return jsonify(policy.to_json())
 
 
@@ -65,5 +66,5 @@ def api_rollback() -> ResponseReturnValue:
     """Re-activate the version activated before the current one."""
     params.json_body(allowed=set())
     with web.writing() as conn:
-        policy = actions.rollback_policy(conn, auth.actor())
+        policy = control.rollback_policy(conn, auth.actor())
     return jsonify(policy.to_json())

@@ -17,12 +17,14 @@ from flask import (
     url_for,
 )
 from flask.typing import ResponseReturnValue
+from sglang_adatree.admin import auth, params, web
+from sglang_adatree.admin.errors import AdminError
+from sglang_adatree.admin.queries import jobs as job_queries
+from sglang_adatree.admin.queries import runs
 from sqlalchemy import Connection
 
-from admin import actions, auth, params, web
-from admin.errors import AdminError
-from admin.queries import control, runs
-from sglang_adatree import retrain
+from sglang_adatree.telemetry import control
+from sglang_adatree.tools import retrain
 
 bp = Blueprint("retrain", __name__)
 
@@ -53,7 +55,10 @@ def _start(values: Mapping[str, Any]) -> int:
     state = web.state()
     with web.reading() as conn:
         options = _options(conn, values)
-    job_id = actions.request_retrain(state.engine, options, auth.actor())
+    try:
+        job_id = retrain.create_job(state.engine, auth.actor(), options)  # audited there
+    except retrain.JobConflict as exc:
+        raise AdminError(409, str(exc)) from None
     thread = retrain.start_job_thread(state.engine, job_id, options, auth.actor())
     state.retrain_threads.append(thread)
     return job_id
@@ -64,7 +69,7 @@ def page() -> ResponseReturnValue:
     """The Retrain button, and recent jobs with their progress and results."""
     with web.reading() as conn:
         run = web.selected_run(conn)
-        jobs = control.list_jobs(conn)
+        jobs = job_queries.list_jobs(conn)
         policies = {p.version: p for p in control.list_policies(conn)}
         choices = runs.run_choices(conn)
     return render_template(
@@ -96,7 +101,7 @@ def start() -> ResponseReturnValue:
 def api_list() -> ResponseReturnValue:
     """Recent retrain jobs, newest first."""
     with web.reading() as conn:
-        jobs = control.list_jobs(conn)
+        jobs = job_queries.list_jobs(conn)
     return jsonify({"jobs": [j.to_json() for j in jobs]})
 
 
@@ -105,7 +110,7 @@ def api_start() -> ResponseReturnValue:
     """Start a retrain job; poll ``/api/retrain/{job_id}`` for its progress."""
     job_id = _start(params.json_body(allowed=FIELDS))
     with web.reading() as conn:
-        job = control.get_job(conn, job_id)
+        job = job_queries.get_job(conn, job_id)
     assert job is not None
     return jsonify(job.to_json()), 202
 
@@ -114,7 +119,7 @@ def api_start() -> ResponseReturnValue:
 def api_job(job_id: int) -> ResponseReturnValue:
     """One retrain job, with the policy version it produced."""
     with web.reading() as conn:
-        job = control.get_job(conn, job_id)
+        job = job_queries.get_job(conn, job_id)
         if job is None:
             raise AdminError(404, f"unknown retrain job {job_id}")
         version = None

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify, render_template
 from flask.typing import ResponseReturnValue
-
-from admin import web
-from admin.errors import AdminError
-from admin.queries import runs
+from sglang_adatree.admin import web
+from sglang_adatree.admin.errors import AdminError
+from sglang_adatree.admin.queries import runs
 
 bp = Blueprint("runs", __name__)
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from flask import current_app
+from sglang_adatree.admin import params
+from sglang_adatree.admin.errors import AdminError
+from sglang_adatree.admin.queries import runs
+from sglang_adatree.admin.queries.granules import GranuleCache
 from sqlalchemy import Connection, Engine
 
-from admin import params
-from admin.errors import AdminError
-from admin.queries import runs
-from admin.queries.granules import GranuleCache
 from sglang_adatree.config import AdaTreeConfig
 
 REFRESH_S = 5.0  # the overview's live refresh period

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_adatree.sglang.cpu_attention import AdaTreeCpuAttnBackend
+from sglang_adatree.sglang.cpu.attention import AdaTreeCpuAttnBackend
 
 # The stand-ins the backend's unit tests use, from the repository's tests folder.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from interleaved import interleaved_medians  # scripts/interleaved.py
 
-from sglang_adatree.sglang.cpu import LINEAR_ROWS
-from sglang_adatree.sglang.cpu_weights import linear_packed, packed_linear_weight
+from sglang_adatree.sglang.cpu.hooks import LINEAR_ROWS
+from sglang_adatree.sglang.cpu.weights import linear_packed, packed_linear_weight
 
 PROJECTIONS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30

@@ -1,16 +1,16 @@
 """Simulate a CPU deployment whose speed drifts; goodput of adatree's loop against static shapes.
 
-The serving loop (``runtime.AdaTreeRuntime``, its policy, cost model, refits and acceptance
-estimates, all as served) decides every step of a simulated run at concurrency 1: requests of
-64 tokens, step times from the per-shape medians this CPU measured for the bundled pair
-(``STEP_MS``), acceptance drawn from fixed hazards (``HAZARDS``, about 1.5 emitted tokens a
+The serving loop (``core.controller.StepController``, its policy, cost model, refits and
+acceptance estimates, all as served) decides every step of a simulated run at concurrency 1:
+requests of 64 tokens, step times from the per-shape medians this CPU measured for the bundled
+pair (``STEP_MS``), acceptance drawn from fixed hazards (``HAZARDS``, about 1.5 emitted tokens a
 step for the chain 1,1,2 and 1.9 for the tree 2,2,4, as measured on MT-bench), and a machine
 speed that wanders (log speed an Ornstein-Uhlenbeck walk, ``--drift`` its stationary sigma)
 under per-step noise (``--noise``). Each static shape runs through the same speed path, so the
-best of them is the oracle static shape. Two cost models run side by side on the same seeds:
-the one served (drift common to every shape) and the same without drift
-(``cost_model.DRIFT_GAIN_RATIO = 0``). The report: tokens per second of step time, as a ratio
-to the best static shape, median over seeds, and the share of steps on that shape.
+best of them is the oracle static shape. Two cost models run side by side on the same seeds: the
+one served (drift common to every shape) and the same without drift
+(``cost_model.DRIFT_GAIN_RATIO = 0``). The report: tokens per second of step time, as a ratio to
+the best static shape, median over seeds, and the share of steps on that shape.
 
 Usage: ``.venv/bin/python scripts/bench_drift.py [--seeds 8] [--steps 3000] [--drift 0.2]``
 """
@@ -19,19 +19,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from sglang_adatree import cost_model
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.runtime import AdaTreeRuntime
-from sglang_adatree.shapes import TreeShape
-from sglang_adatree.synthetic import sample_path_stats
-from sglang_adatree.tree import AcceptedPathStats
+from sglang_adatree.core import cost_model
+from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
+from sglang_adatree.core.shapes import TreeShape
+
+# The suite's path sampler draws the accepted paths.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import sample_path_stats
 
 # Median step ms at batch 1 by shape, from the telemetry of `adatree bench --policies
-# ar,static:2,2,4,adatree --prompts mtbench,gsm8k --loads c1` on this CPU (docs/benchmarks.md).
+# ar,static:2,2,4,adatree --prompts mtbench,gsm8k --loads c1` on this CPU
+# (docs/notes/2026-12-02-cost-loop-drift-and-early-refit.md).
 STEP_MS = {
     "0,1,1": 100.0, "1,1,2": 130.0, "2,1,3": 175.0, "2,2,4": 155.0, "3,1,4": 190.0,
     "3,2,6": 215.0, "3,4,8": 235.0, "4,2,8": 230.0, "4,4,12": 285.0, "5,1,6": 205.0,
@@ -89,24 +95,24 @@ def static(shape: TreeShape):
 
 
 def adaptive(config: AdaTreeConfig):
-    runtime = AdaTreeRuntime(config, None, control=False)
+    controller = StepController(config)
 
     def step(context: int):
-        decision, features = runtime.decide([context])
+        ticket = controller.begin(BatchView(("request",), (context,)))
 
         def done(ms, children, ranks, accepted):
-            stats = None
+            paths = None
             if children is not None:
-                stats = AcceptedPathStats(torch.from_numpy(children), torch.from_numpy(ranks))
-            runtime.complete_step(decision, features, ms, [accepted], stats)
-            # The control thread's refit, on the step it would come at most.
-            refit = runtime._refit(force=False)
-            if refit is not None:
-                runtime.policy.set_cost_model(refit, None)
+                paths = AcceptedPathStats(torch.from_numpy(children), torch.from_numpy(ranks))
+            controller.finish(ticket, StepOutcome(ms, (accepted,), 0.0, paths))
+            # The control poller's refit, on the step it would come at the earliest.
+            update = controller.refit()
+            if update is not None:
+                controller.apply(update)
 
-        return decision.shape, done
+        return ticket.decision.shape, done
 
-    return step, runtime
+    return step, controller
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from interleaved import interleaved_medians  # scripts/interleaved.py
 
-from sglang_adatree.sglang.cpu import lm_head_logits, lm_head_max_rows
-from sglang_adatree.sglang.cpu_weights import transposed_weight
+from sglang_adatree.sglang.cpu.hooks import lm_head_logits, lm_head_max_rows
+from sglang_adatree.sglang.cpu.weights import transposed_weight
 
 ROWS = (1, 2, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 

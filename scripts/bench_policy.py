@@ -16,17 +16,16 @@ import time
 
 import numpy as np
 import torch
+from synthetic import SyntheticSurface, sample_path_stats, sample_steps
 
-from sglang_adatree.acceptance import AcceptanceEstimator
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.cost_model import OnlineCostModel, mape
-from sglang_adatree.cost_table import CostTable, table_error
-from sglang_adatree.features import StepFeatures, feature_rows
-from sglang_adatree.policy import Policy
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, TreeShape
-from sglang_adatree.synthetic import SyntheticSurface, sample_path_stats, sample_steps
-from sglang_adatree.tree import AcceptedPathStats
-from sglang_adatree.xgb_cost import fit_xgboost
+from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.cost_model import OnlineCostModel, mape
+from sglang_adatree.core.cost_table import CostTable, table_error
+from sglang_adatree.core.features import StepFeatures, feature_rows
+from sglang_adatree.core.policy import Policy
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, TreeShape
+from sglang_adatree.core.xgb_cost import fit_xgboost
 
 EXTRA_SHAPES = (TreeShape(4, 1, 5), TreeShape(2, 4, 6), TreeShape(5, 2, 10), TreeShape(7, 4, 24))
 HAZARDS = np.tile(0.75 * 0.45 ** np.arange(16), (16, 1))  # [depth, rank]

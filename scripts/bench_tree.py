@@ -15,16 +15,16 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_adatree.tree import (
+from sglang_adatree.sglang.cpu.verify import (
+    target_probs_from_logits,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+from sglang_adatree.sglang.tree import (
     TreeMaskMode,
     accepted_path_stats,
     build_verify_tree,
     organize_draft_results,
-)
-from sglang_adatree.verify import (
-    target_probs_from_logits,
-    verify_tree_greedy,
-    verify_tree_sampling,
 )
 
 

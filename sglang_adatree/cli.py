@@ -15,14 +15,17 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Order is the order of `adatree --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("sglang_adatree.sglang.serve", "run SGLang with adatree (its options + SGLang's)"),
-    "admin": ("admin.commands", "serve the operator dashboard"),
-    "demo": ("sglang_adatree.demo", "the bundled model pair, a short workload and the dashboard"),
+    "admin": ("sglang_adatree.admin.commands", "serve the operator dashboard"),
+    "demo": (
+        "sglang_adatree.tools.demo",
+        "the bundled model pair, a short workload and the dashboard",
+    ),
     "db": ("sglang_adatree.telemetry.commands", "telemetry database: upgrade, current, rollup"),
-    "retrain": ("sglang_adatree.retrain", "refit the cost model from recorded steps"),
-    "profile": ("sglang_adatree.profile", "profile step times of candidate shapes"),
-    "bench": ("sglang_adatree.bench.commands", "benchmark adatree against the baselines"),
+    "retrain": ("sglang_adatree.tools.retrain", "refit the cost model from recorded steps"),
+    "profile": ("sglang_adatree.tools.profile", "profile step times of candidate shapes"),
+    "bench": ("sglang_adatree.tools.bench.commands", "benchmark adatree against the baselines"),
     "compare": (
-        "sglang_adatree.bench.compare",
+        "sglang_adatree.tools.bench.compare",
         "paired comparison of configurations served side by side",
     ),
     "models": ("sglang_adatree.models.commands", "prepare, train and evaluate the bundled models"),

@@ -13,11 +13,11 @@ import dataclasses
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_adatree.shapes import (
+from sglang_adatree.core.shapes import (
     DEFAULT_CANDIDATES,
     ShapeError,
     TreeShape,
@@ -111,14 +111,6 @@ SETTINGS: tuple[Setting, ...] = (
         "the decision rule: adatree's goodput policy, or a baseline re-implemented for comparison",
         str,
         lambda v: v in POLICY_NAMES,
-    ),
-    Setting(
-        "objective",
-        "goodput",
-        "goodput",
-        "what decide() maximises: emitted tokens per second of predicted step time",
-        str,
-        lambda v: v in ("goodput",),
     ),
     Setting(
         "min_gain",
@@ -265,33 +257,36 @@ SETTINGS: tuple[Setting, ...] = (
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 
+# Each setting's default, written once (in SETTINGS); the dataclass below reads it from here.
+DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS}
+
+
 @dataclass(frozen=True)
 class AdaTreeConfig:
-    """The effective configuration; build it with ``load_config``, never mutate it."""
+    """The effective configuration; build it with ``load_config``, never mutate it. One field
+    per entry of ``SETTINGS``, in that order (a test checks it)."""
 
-    candidate_shapes: tuple[TreeShape, ...] = DEFAULT_CANDIDATES
-    policy: str = "adatree"
-    objective: str = "goodput"
-    min_gain: float = 0.03
-    no_spec_margin: float = 0.05
-    explore_fraction: float = 0.02
-    explore_max_loss: float = 0.3
-    explore_seed: int = 0
-    warmup_steps: int = 32
-    acceptance_decay: float = 0.005
-    acceptance_prior: float = 0.6
-    acceptance_prior_weight: float = 20.0
-    residual_decay: float = 0.05
-    skip_idle_draft_extend: bool = True
-    db_url: str | None = None
-    home: str | None = None
-    record_steps: bool = True
-    control_poll_s: float = 1.0
-    telemetry_queue_size: int = 65536
-    telemetry_batch_size: int = 2048
-    telemetry_flush_s: float = 0.5
-    retention_hours: float = 24.0
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    candidate_shapes: tuple[TreeShape, ...] = DEFAULTS["candidate_shapes"]
+    policy: str = DEFAULTS["policy"]
+    min_gain: float = DEFAULTS["min_gain"]
+    no_spec_margin: float = DEFAULTS["no_spec_margin"]
+    explore_fraction: float = DEFAULTS["explore_fraction"]
+    explore_max_loss: float = DEFAULTS["explore_max_loss"]
+    explore_seed: int = DEFAULTS["explore_seed"]
+    warmup_steps: int = DEFAULTS["warmup_steps"]
+    acceptance_decay: float = DEFAULTS["acceptance_decay"]
+    acceptance_prior: float = DEFAULTS["acceptance_prior"]
+    acceptance_prior_weight: float = DEFAULTS["acceptance_prior_weight"]
+    residual_decay: float = DEFAULTS["residual_decay"]
+    skip_idle_draft_extend: bool = DEFAULTS["skip_idle_draft_extend"]
+    db_url: str | None = DEFAULTS["db_url"]
+    home: str | None = DEFAULTS["home"]
+    record_steps: bool = DEFAULTS["record_steps"]
+    control_poll_s: float = DEFAULTS["control_poll_s"]
+    telemetry_queue_size: int = DEFAULTS["telemetry_queue_size"]
+    telemetry_batch_size: int = DEFAULTS["telemetry_batch_size"]
+    telemetry_flush_s: float = DEFAULTS["telemetry_flush_s"]
+    retention_hours: float = DEFAULTS["retention_hours"]
 
     def __post_init__(self) -> None:
         for setting in SETTINGS:

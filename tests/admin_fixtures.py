@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from admin_helpers import TEST_ROUNDS, TOKEN, Operator, log_in
 from flask import Flask
+from sglang_adatree.admin import create_app
 
-from admin import create_app
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.telemetry import store
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from flask.testing import FlaskClient
+from synthetic_runs import synthetic_run
 
-from admin.synthetic import synthetic_run
 from sglang_adatree.telemetry import store
 
 TOKEN = "test-operator-token"

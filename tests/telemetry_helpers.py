@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import func, select
+from step_records import make_step
 
 from sglang_adatree.telemetry import store
-from sglang_adatree.telemetry.bench import make_step
 from sglang_adatree.telemetry.models import Run, Step
 from sglang_adatree.telemetry.records import RunRecord, StepRecord
 

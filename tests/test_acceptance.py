@@ -3,11 +3,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from synthetic import sample_path_stats
 
-from sglang_adatree.acceptance import PRIOR_RANK_RATIO, AcceptanceEstimator
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
-from sglang_adatree.synthetic import sample_path_stats
+from sglang_adatree.core.acceptance import PRIOR_RANK_RATIO, AcceptanceEstimator
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
 
 # Known acceptance: the top draft token is accepted less often deeper in the tree, and a
 # sibling less often than the better-ranked one.
@@ -88,11 +88,11 @@ def test_contract_violations_are_caught():
         est.observe(TreeShape(2, 2, 3), np.full((1, 2), 3), np.full((1, 2), -1))
 
 
-def run_synthetic(est, shape, hazards, steps, batch, seed, request_class=None):
+def run_synthetic(est, shape, hazards, steps, batch, seed):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         nc, ar = sample_path_stats(shape, batch, hazards, rng)
-        est.observe(shape, torch.from_numpy(nc), torch.from_numpy(ar), request_class)
+        est.observe(shape, torch.from_numpy(nc), torch.from_numpy(ar))
     est.refresh()
 
 
@@ -159,26 +159,6 @@ def test_decay_follows_a_change_in_acceptance():
     run_synthetic(est, shape, np.full((2, 1), 0.3), steps=100, batch=16, seed=4)
     assert est.hazards()[0, 0] == pytest.approx(0.3, abs=0.05)
     assert est.acceptance_length(shape) == pytest.approx(1 + 0.3 + 0.09, abs=0.1)
-
-
-def test_request_classes_keep_their_own_estimates():
-    shape = TreeShape(3, 1, 4)
-    est = AcceptanceEstimator(prior=0.5, decay=0.02, refresh_every=8)
-    run_synthetic(est, shape, np.full((3, 1), 0.9), 200, 16, seed=5, request_class="code")
-    run_synthetic(est, shape, np.full((3, 1), 0.2), 200, 16, seed=6, request_class="chat")
-    code, chat = est.hazards("code")[0, 0], est.hazards("chat")[0, 0]
-    assert code == pytest.approx(0.9, abs=0.05) and chat == pytest.approx(0.2, abs=0.05)
-    assert chat < est.hazards()[0, 0] < code
-    assert (
-        est.model_emitted(shape, "code")
-        > est.model_emitted(shape)
-        > est.model_emitted(shape, "chat")
-    )
-    # Corrected, the global estimate follows the recent traffic (chat) more closely than the
-    # global hazards do; each class keeps its own.
-    assert est.expected_emitted(shape, "code") > 3.0 > 1.5 > est.expected_emitted(shape, "chat")
-    # An unseen class falls back to the global estimate.
-    assert est.expected_emitted(shape, "unknown") == est.expected_emitted(shape)
 
 
 def test_estimates_move_only_at_refresh():

@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 from admin_helpers import TOKEN, log_in, login_csrf
+from sglang_adatree.admin import auth, commands, create_app
 from sqlalchemy import func, select
 
-from admin import auth, commands, create_app
 from sglang_adatree.telemetry import store
-from sglang_adatree.telemetry.models import AuditLog, Pin
+from sglang_adatree.telemetry.models import AuditLog, PinRow
 
 pytest_plugins = ["admin_fixtures"]
 
@@ -93,7 +93,7 @@ def test_state_changes_need_the_csrf_token(operator, db_url):
     assert client.post("/logout").status_code == 403
     refused = client.post("/api/pins", json=body)
     assert "CSRF" in refused.get_json()["error"]
-    assert count(db_url, Pin) == 0 and count(db_url, AuditLog) == 0
+    assert count(db_url, PinRow) == 0 and count(db_url, AuditLog) == 0
     assert operator.post_json("/api/pins", body).status_code == 201
 
 
@@ -105,7 +105,7 @@ def test_csrf_token_of_another_session_is_refused(app, db_url):
         "/api/pins", json={"shape": "0", "reason": "x"}, headers={"X-CSRF-Token": second.csrf}
     )
     assert response.status_code == 403
-    assert count(db_url, Pin) == 0
+    assert count(db_url, PinRow) == 0
 
 
 def test_token_compare_is_constant_time_and_exact():

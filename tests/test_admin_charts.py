@@ -9,12 +9,11 @@ import json
 import numpy as np
 import plotly.graph_objects as go
 import pytest
-
-from admin import charts
-from admin.queries.costs import CostReport, CostSample, ErrorSeries, VersionError
-from admin.queries.runs import TimeRange
-from admin.queries.shapes import ShapeUsage
-from admin.queries.sums import Points
+from sglang_adatree.admin import charts
+from sglang_adatree.admin.queries.costs import CostReport, CostSample, ErrorSeries, VersionError
+from sglang_adatree.admin.queries.runs import TimeRange
+from sglang_adatree.admin.queries.shapes import ShapeUsage
+from sglang_adatree.admin.queries.sums import Points
 
 TR = TimeRange("1h", 1000.0, 4600.0)
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 from admin_helpers import TEST_ROUNDS, TOKEN, log_in, seed_run
+from sglang_adatree.admin import create_app
 from sqlalchemy import insert, select
 
-from admin import create_app
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.shapes import TreeShape
+from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.control import read_control_state
-from sglang_adatree.telemetry.models import AuditLog, Pin, Policy
+from sglang_adatree.telemetry.models import AuditLog, PinRow, Policy
 
 pytest_plugins = ["admin_fixtures", "telemetry_fixtures"]
 
@@ -23,7 +23,7 @@ RUN_SHAPES = (TreeShape(0, 1, 1), TreeShape(3, 1, 4), TreeShape(3, 2, 6), TreeSh
 
 def pins_in_db(url: str) -> list:
     with store.session_scope(url) as s:
-        return list(s.scalars(select(Pin).order_by(Pin.id)))
+        return list(s.scalars(select(PinRow).order_by(PinRow.id)))
 
 
 def audit_in_db(url: str) -> list:

@@ -8,9 +8,9 @@ import schemathesis
 from admin_helpers import TOKEN, log_in, seed_run
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
+from sglang_adatree.admin import create_app
+from sglang_adatree.admin.openapi import DOCUMENT
 
-from admin import create_app
-from admin.openapi import DOCUMENT
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.telemetry import store
 

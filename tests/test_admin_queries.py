@@ -7,15 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from admin_helpers import END_TIME, seed_run
+from sglang_adatree.admin.queries import costs, runs, shapes, timeseries
+from sglang_adatree.admin.queries.granules import GRANULE_S, GranuleCache
+from sglang_adatree.admin.queries.sums import BucketSums, fold
 from sqlalchemy import select, update
+from synthetic_runs import insert_steps, step_rows
 
-from admin.queries import costs, runs, shapes, timeseries
-from admin.queries.granules import GRANULE_S, GranuleCache
-from admin.queries.sums import BucketSums, fold
-from admin.synthetic import insert_steps, step_rows
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.shapes import TreeShape
-from sglang_adatree.telemetry import store
+from sglang_adatree.core.shapes import TreeShape
+from sglang_adatree.telemetry import control, store
 from sglang_adatree.telemetry.models import Run, Step
 from sglang_adatree.telemetry.retention import rollup
 
@@ -165,18 +165,18 @@ def test_range_ends_at_the_runs_newest_data(db_url):
 
 def test_candidate_set_is_the_latest_runs_else_the_config(db_url):
     engine = store.get_engine(db_url)
-    fallback = AdaTreeConfig()
+    fallback = AdaTreeConfig().candidate_shapes
     with engine.connect() as conn:
-        assert runs.candidate_set(conn, fallback).source == "config"
+        assert control.candidate_set(conn, fallback).source == "config"
     mine = (TreeShape(0, 1, 1), TreeShape(2, 1, 3), TreeShape(4, 2, 8))
     run_id = seed_run(db_url, 10, shapes=mine)
     with engine.connect() as conn:
-        candidates = runs.candidate_set(conn, fallback)
+        candidates = control.candidate_set(conn, fallback)
     assert candidates.shapes == mine and candidates.run_id == run_id
     with engine.begin() as conn:
         conn.execute(update(Run).values(config={"candidate_shapes": ["not a shape"]}))
     with engine.connect() as conn:
-        assert runs.candidate_set(conn, fallback).shapes == fallback.candidate_shapes
+        assert control.candidate_set(conn, fallback).shapes == fallback
 
 
 def test_shape_usage_counts_every_step_once(db_url):

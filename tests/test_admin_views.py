@@ -8,9 +8,9 @@ import re
 
 import pytest
 from admin_helpers import END_TIME, seed_run
+from sglang_adatree.admin import PLOTLY_JS
+from synthetic_runs import insert_run
 
-from admin import PLOTLY_JS
-from admin.synthetic import insert_run
 from sglang_adatree.telemetry import store
 
 pytest_plugins = ["admin_fixtures"]

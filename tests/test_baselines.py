@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_adatree.acceptance import AcceptanceEstimator
-from sglang_adatree.baselines import (
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.baselines import (
     BASELINE_POLICIES,
     AdaptiveSlot,
     SGLangAdaptivePolicy,
@@ -11,13 +12,11 @@ from sglang_adatree.baselines import (
     chain_shapes,
     nearest_steps,
 )
-from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.cost_model import AnalyticStepTime, OnlineCostModel
-from sglang_adatree.features import StepFeatures
-from sglang_adatree.policy import Pin
-from sglang_adatree.runtime import AdaTreeRuntime
-from sglang_adatree.shapes import NO_SPEC, TreeShape, parse_candidates
-from sglang_adatree.tree import AcceptedPathStats
+from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
+from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel
+from sglang_adatree.core.features import StepFeatures
+from sglang_adatree.core.policy import Pin
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape, parse_candidates
 
 CHAINS = parse_candidates("0;1,1,2;2,1,3;3,1,4;5,1,6;3,2,6")
 
@@ -35,7 +34,7 @@ def make(cls, candidates=CHAINS, time_model=None):
 
 
 def batch(b: int) -> StepFeatures:
-    return StepFeatures(b, 100 * b, 100)
+    return StepFeatures(b, b, 100 * b, 100)
 
 
 def chain_stats(accepted: list[int], steps: int) -> AcceptedPathStats:
@@ -225,15 +224,17 @@ def test_sglang_slots_learn_independently():
 @pytest.mark.parametrize("name", sorted(BASELINE_POLICIES))
 def test_baselines_run_in_the_serving_loop(name):
     config = AdaTreeConfig(candidate_shapes=CHAINS, policy=name, record_steps=False)
-    runtime = AdaTreeRuntime(config, control=False)
-    assert isinstance(runtime.policy, BASELINE_POLICIES[name])
+    controller = StepController(config)
+    assert isinstance(controller.policy, BASELINE_POLICIES[name])
+    view = BatchView(("a", "b"), (120, 80))
     for _ in range(30):
-        decision, features = runtime.decide([120, 80])
-        assert decision.shape == NO_SPEC or decision.shape.is_chain
-        steps = decision.shape.steps
+        ticket = controller.begin(view)
+        shape = ticket.decision.shape
+        assert shape == NO_SPEC or shape.is_chain
+        steps = shape.steps
         stats = chain_stats([min(1, steps)] * 2, steps) if steps else None
-        runtime.complete_step(decision, features, 35.0, [min(1, steps)] * 2, stats)
-    state = runtime.server_state()
+        controller.finish(ticket, StepOutcome(35.0, (min(1, steps),) * 2, 0.0, stats))
+        view = BatchView(view.request_ids, tuple(n + 1 + min(1, steps) for n in view.context_lens))
+    state = controller.server_state()
     assert state["adatree_steps"] == 30 and state["adatree_shape"] is not None
     assert np.isfinite(state["adatree_recent_accept_length"])
-    runtime.close()

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_adatree.bench.client import Load, PointResult, RequestResult, poisson_offsets
-from sglang_adatree.bench.commands import split_items
-from sglang_adatree.bench.configurations import (
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, ShapeError, TreeShape
+from sglang_adatree.tools.bench.client import Load, PointResult, RequestResult, poisson_offsets
+from sglang_adatree.tools.bench.commands import split_items
+from sglang_adatree.tools.bench.configurations import (
     DEFAULT_SWEEP,
     Models,
     ServerSettings,
@@ -25,14 +26,14 @@ from sglang_adatree.bench.configurations import (
     detect_draft_kind,
     parse_configurations,
 )
-from sglang_adatree.bench.report import (
+from sglang_adatree.tools.bench.report import (
     bound_lines,
     table_lines,
     top_shapes,
     write_html,
     write_json,
 )
-from sglang_adatree.bench.results import (
+from sglang_adatree.tools.bench.results import (
     ROW_FIELDS,
     compare,
     geomean,
@@ -40,26 +41,25 @@ from sglang_adatree.bench.results import (
     percentile,
     with_speedups,
 )
-from sglang_adatree.bench.servers import (
+from sglang_adatree.tools.bench.servers import (
     ServerError,
     ephemeral_range,
     free_port,
     running_server,
     stop_process_group,
 )
-from sglang_adatree.bench.steps import (
+from sglang_adatree.tools.bench.steps import (
     EMPTY,
     StepPoint,
     read_steps,
     shape_goodputs,
     summarize_steps,
 )
-from sglang_adatree.bench.workloads import (
+from sglang_adatree.tools.bench.workloads import (
     HIGH_ACCEPTANCE_PROMPTS,
     LOW_ACCEPTANCE_PROMPTS,
     load_workload,
 )
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, ShapeError, TreeShape
 
 # -- loads ----------------------------------------------------------------------------------------
 
@@ -347,8 +347,9 @@ def test_json_rows_carry_the_interface_fields_and_html_inlines_plotly(tmp_path):
 
 
 def test_steps_of_a_point_from_the_store(tmp_path):
+    from step_records import make_step
+
     from sglang_adatree.telemetry import store
-    from sglang_adatree.telemetry.bench import make_step
     from sglang_adatree.telemetry.records import RunRecord
     from sglang_adatree.telemetry.writer import TelemetryWriter
 

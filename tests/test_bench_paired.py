@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from sglang_adatree.bench.configurations import parse_configurations
-from sglang_adatree.bench.databases import PIN_ACTOR, database_url, prepare_database
-from sglang_adatree.bench.paired import Sample, request_order, summarize, table_lines
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, TreeShape
-from sglang_adatree.telemetry.models import AuditLog, Pin
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, TreeShape
+from sglang_adatree.telemetry.models import AuditLog, PinRow
 from sglang_adatree.telemetry.store import session_scope
+from sglang_adatree.tools.bench.configurations import parse_configurations
+from sglang_adatree.tools.bench.databases import PIN_ACTOR, database_url, prepare_database
+from sglang_adatree.tools.bench.paired import Sample, request_order, summarize, table_lines
 
 
 def test_the_order_reverses_every_prompt():
@@ -79,7 +79,7 @@ def test_databases_shared_separate_and_pinned(tmp_path):
     prepare_database(own, pinned)
     prepare_database(own, pinned)  # a re-run in the same work directory adds no second pin
     with session_scope(own) as session:
-        pins = session.execute(select(Pin)).scalars().all()
+        pins = session.execute(select(PinRow)).scalars().all()
         audit = session.execute(select(AuditLog)).scalars().all()
     assert len(pins) == 1 and len(audit) == 1
     pin = pins[0]
@@ -89,4 +89,4 @@ def test_databases_shared_separate_and_pinned(tmp_path):
 
     prepare_database(shared, ada)  # migrated, nothing pinned
     with session_scope(shared) as session:
-        assert session.execute(select(Pin)).scalars().all() == []
+        assert session.execute(select(PinRow)).scalars().all() == []

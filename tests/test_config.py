@@ -1,7 +1,7 @@
 import pytest
 
 from sglang_adatree.config import SETTINGS, AdaTreeConfig, ConfigError, load_config
-from sglang_adatree.shapes import NO_SPEC, TreeShape
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 
 
 def test_defaults_validate():
@@ -38,7 +38,7 @@ def test_config_env_names_file(tmp_path):
         ("warmup_steps", 1.5, "warmup_steps"),
         ("candidate_shapes", "3,1,9", "chain"),
         ("candidate_shapes", "0", "no speculative shape"),
-        ("objective", "latency", "objective"),
+        ("policy", "magic", "policy"),
         ("record_steps", "maybe", "record_steps"),
         ("nonsense", 1, "unknown setting 'nonsense'"),
     ],
@@ -87,3 +87,17 @@ def test_every_setting_is_documented():
     usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
     for setting in SETTINGS:
         assert f"| `{setting.name}` | `ADATREE_{setting.name.upper()}` |" in usage, setting.name
+
+
+def test_one_field_per_setting_with_its_default():
+    import dataclasses
+
+    fields = dataclasses.fields(AdaTreeConfig)
+    assert [f.name for f in fields] == [s.name for s in SETTINGS]
+    assert all(f.default == s.default for f, s in zip(fields, SETTINGS, strict=True))
+
+
+def test_settings_removed_are_refused():
+    # A setting no code read is gone; asking for it names the known ones.
+    with pytest.raises(ConfigError, match="unknown setting 'objective'"):
+        load_config(env={}, objective="goodput")

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
+from synthetic import sample_steps
 
-from sglang_adatree.cost_model import (
+from sglang_adatree.core.cost_model import (
     MIN_STEP_MS,
     PRIOR_STEPS,
     AnalyticStepTime,
@@ -9,14 +10,13 @@ from sglang_adatree.cost_model import (
     ResidualCorrection,
     mape,
 )
-from sglang_adatree.features import StepFeatures, feature_matrix, feature_rows
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
-from sglang_adatree.synthetic import sample_steps
+from sglang_adatree.core.features import StepFeatures, feature_matrix, feature_rows
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
 
 
 def test_analytic_defaults_by_hand():
     m = AnalyticStepTime()
-    f = StepFeatures(batch_size=4, sum_context_len=4000, max_context_len=1000, prefill_tokens=0)
+    f = StepFeatures(batch_size=4, padded_batch_size=4, sum_context_len=4000, max_context_len=1000)
     no_spec, tree = m.predict_matrix(feature_matrix(f, [NO_SPEC, TreeShape(3, 2, 6)]))
     assert no_spec == pytest.approx(4.0 + 0.01 * 4 + 0.02 * 4 + 2e-5 * 4000)
     assert tree == pytest.approx(
@@ -52,7 +52,7 @@ def test_mape():
 def test_residual_correction_pulls_towards_measurements():
     shape = TreeShape(3, 1, 4)
     model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.1)
-    f = StepFeatures(8, 8000, 1000)
+    f = StepFeatures(8, 8, 8000, 1000)
     raw = model.predict_ms(f, shape)
     model.observe(f, shape, 2 * raw)
     # The model counts as PRIOR_STEPS agreeing steps: one step moves the log-residual by
@@ -79,7 +79,7 @@ def test_residual_correction_pulls_towards_measurements():
 
 
 CHAIN, TREE = TreeShape(1, 1, 2), TreeShape(2, 2, 4)
-AT_BATCH_1 = StepFeatures(1, 200, 200)
+AT_BATCH_1 = StepFeatures(1, 1, 200, 200)
 
 
 def _settled(truth: dict[TreeShape, float], rounds: int = 200) -> OnlineCostModel:
@@ -120,7 +120,7 @@ def test_a_change_common_to_every_shape_reaches_the_ones_that_do_not_run():
 
 def test_predict_many_matches_predict_one_with_corrections():
     model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.5)
-    f = StepFeatures(3, 300, 100, 50)
+    f = StepFeatures(3, 3, 300, 100)
     for i, shape in enumerate(DEFAULT_CANDIDATES):
         model.observe(f, shape, 5.0 + i)
     many = model.predict_ms_many(f, DEFAULT_CANDIDATES)
@@ -135,7 +135,7 @@ def test_predict_many_matches_predict_one_with_corrections():
 
 def test_predictions_never_reach_zero():
     model = OnlineCostModel(AnalyticStepTime(*([0.0] * 7)), residual_decay=0.1)
-    assert model.predict_ms(StepFeatures(1, 1, 1), NO_SPEC) == MIN_STEP_MS
+    assert model.predict_ms(StepFeatures(1, 1, 1, 1), NO_SPEC) == MIN_STEP_MS
 
 
 def test_bad_residual_decay():
@@ -146,7 +146,7 @@ def test_bad_residual_decay():
 
 
 def test_replay_is_observing_in_order():
-    f = StepFeatures(2, 400, 300)
+    f = StepFeatures(2, 2, 400, 300)
     shapes = [TreeShape(3, 1, 4), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
     times = np.array([30.0, 12.0, 40.0])
     replayed = OnlineCostModel(AnalyticStepTime(), residual_decay=0.2)

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from sglang_adatree.config import load_config
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.prepare import prepare_all
-from sglang_adatree.telemetry.models import Pin
+from sglang_adatree.telemetry.models import PinRow
 from sglang_adatree.telemetry.store import get_engine, upgrade
 
 pytestmark = pytest.mark.slow
@@ -74,13 +74,13 @@ def reference(bundled, tmp_path_factory):
 def _pin(db_url: str, shape: tuple[int, int, int] | None) -> None:
     with get_engine(db_url).begin() as conn:
         conn.execute(
-            update(Pin)
-            .where(Pin.cleared_at.is_(None))
+            update(PinRow)
+            .where(PinRow.cleared_at.is_(None))
             .values(cleared_at=time.time(), cleared_by="pytest")
         )
         if shape is not None:
             conn.execute(
-                insert(Pin).values(
+                insert(PinRow).values(
                     steps=shape[0], topk=shape[1], num_draft_tokens=shape[2],
                     reason="cpu path test", created_at=time.time(), created_by="pytest",
                 )

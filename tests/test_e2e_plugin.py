@@ -26,8 +26,8 @@ from sglang_servers import (
 )
 from sqlalchemy import func, insert, select, update
 
-from sglang_adatree.policy import SOURCES
-from sglang_adatree.telemetry.models import Pin, Run, Step
+from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.telemetry.models import PinRow, Run, Step
 from sglang_adatree.telemetry.store import get_engine, upgrade
 
 pytestmark = pytest.mark.slow
@@ -153,7 +153,7 @@ def test_server_info_and_metrics(adatree):
     _greedy(adatree, PROMPTS[:1], 8)
     state = adatree.server_info()["internal_states"][0]
     assert state["adatree_shape"] in [*CANDIDATES.split(";"), "0,1,1"]
-    assert state["adatree_decision_source"] in SOURCES
+    assert state["adatree_decision_source"] in {str(s) for s in DecisionSource}
     assert "adatree_policy_version" in state
     assert state["adatree_recent_accept_length"] >= 1.0
     metrics = requests.get(f"{adatree.url}/metrics", timeout=30).text
@@ -173,7 +173,7 @@ def test_pin_is_obeyed_then_cleared(adatree, db_url):
     steps, topk, ndt = (int(x) for x in PINNED.split(","))
     with engine.begin() as conn:
         pin_id = conn.execute(
-            insert(Pin)
+            insert(PinRow)
             .values(
                 steps=steps,
                 topk=topk,
@@ -182,7 +182,7 @@ def test_pin_is_obeyed_then_cleared(adatree, db_url):
                 created_at=time.time(),
                 created_by="pytest",
             )
-            .returning(Pin.id)
+            .returning(PinRow.id)
         ).scalar_one()
     time.sleep(1.0)  # the server polls the store every 0.2 s here
     pinned_from = time.time()
@@ -193,7 +193,9 @@ def test_pin_is_obeyed_then_cleared(adatree, db_url):
 
     with engine.begin() as conn:
         conn.execute(
-            update(Pin).where(Pin.id == pin_id).values(cleared_at=time.time(), cleared_by="pytest")
+            update(PinRow)
+            .where(PinRow.id == pin_id)
+            .values(cleared_at=time.time(), cleared_by="pytest")
         )
     time.sleep(1.0)
     cleared_from = time.time()

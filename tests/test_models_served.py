@@ -15,7 +15,7 @@ from sglang_adatree.models.card import ServedSection, render
 from sglang_adatree.models.evaluate import Agreement, served_profile
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.models.train import TrainConfig
-from sglang_adatree.profile import summarize_profile
+from sglang_adatree.tools.profile import summarize_profile
 
 
 def _step(

@@ -1,17 +1,16 @@
 import numpy as np
 import pytest
 import torch
+from synthetic import SyntheticSurface, sample_path_stats, sample_steps
 
-from sglang_adatree.acceptance import AcceptanceEstimator
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.cost_model import AnalyticStepTime, OnlineCostModel
-from sglang_adatree.cost_table import CostTable, TableGrid
-from sglang_adatree.features import StepFeatures, feature_rows
-from sglang_adatree.policy import Decision, Pin, Policy
-from sglang_adatree.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
-from sglang_adatree.synthetic import SyntheticSurface, sample_path_stats, sample_steps
-from sglang_adatree.tree import AcceptedPathStats
-from sglang_adatree.xgb_cost import fit_xgboost
+from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel
+from sglang_adatree.core.cost_table import CostTable, TableGrid
+from sglang_adatree.core.features import StepFeatures, feature_rows
+from sglang_adatree.core.policy import Decision, Pin, Policy
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.core.xgb_cost import fit_xgboost
 
 FLAT = AnalyticStepTime(c_fixed=5.0, c_bs=0, c_compute=0, c_kv=0, c_spec=0, c_draft_pass=0,
                         c_draft_token=0)  # fmt: skip
@@ -25,7 +24,7 @@ def make_policy(step_time=None, prior=0.6, prior_weight=20.0, **settings) -> Pol
 
 
 def batch(b: int, ctx: int = 500) -> StepFeatures:
-    return StepFeatures(b, b * ctx, ctx)
+    return StepFeatures(b, b, b * ctx, ctx)
 
 
 def test_no_speculation_when_verification_cost_dominates():
@@ -164,7 +163,7 @@ def test_exploration_skips_shapes_predicted_to_lose_more_than_the_bound():
         policy.observe(batch(4), d.shape, d.predicted_ms)
     f = batch(4)
     times = policy.cost_model.predict_ms_many(f, policy.candidates)
-    emitted = policy.acceptance.expected_emitted_many(policy.candidates, f.request_class)
+    emitted = policy.acceptance.expected_emitted_many(policy.candidates)
     goodput = dict(zip(policy.candidates, emitted / times, strict=True))
     best = max(goodput.values())
     excluded = {s for s, g in goodput.items() if g < 0.7 * best}
@@ -250,7 +249,7 @@ def test_batch_one_keeps_a_chain_that_pays_on_average(seed):
         AcceptanceEstimator.from_config(config),
     )
     rng = np.random.default_rng(seed)
-    features = StepFeatures(1, 300, 300)
+    features = StepFeatures(1, 1, 300, 300)
     chain_steps = no_spec_steps = steps = 0
     elapsed_ms = tokens = 0.0
     for _ in range(48):  # requests of 64 tokens

@@ -11,12 +11,12 @@ import pytest
 from admin_helpers import TEST_ROUNDS, seed_run, wait_for
 from sqlalchemy import select, update
 
-from sglang_adatree import retrain
-from sglang_adatree.features import FEATURE_NAMES
+from sglang_adatree.core.features import FEATURE_NAMES
+from sglang_adatree.core.xgb_cost import XGBoostStepTime
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.control import read_control_state
 from sglang_adatree.telemetry.models import AuditLog, Policy, RetrainJob
-from sglang_adatree.xgb_cost import XGBoostStepTime
+from sglang_adatree.tools import retrain
 
 pytest_plugins = ["admin_fixtures"]
 
@@ -74,11 +74,12 @@ def test_fit_validate_store_and_activate(db_url):
     assert policy.active and policy.activated_by == "tester"
     assert policy.feature_names == list(FEATURE_NAMES)
     assert m["holdout_rows"] == 600 and m["rows_used"] == 3000
-    assert m["baseline"]["model"] == "analytic fallback" and m["baseline"]["version"] is None
+    assert m["baseline"]["model"] == "the refitted analytic model"
+    assert m["baseline"]["version"] is None
     # The synthetic surface (padding jumps) is learnable: better than the analytic model
     # refitted on the same rows, which is what a server without a trained version runs.
     assert m["mape"] < 0.1 and m["mape"] < m["baseline"]["mape"]
-    assert m["decision"] == "activated: better than analytic fallback"
+    assert m["decision"] == "activated: better than the refitted analytic model"
     # The artifact is the real model: it loads and predicts the held-out error it claims.
     model = XGBoostStepTime.from_bytes(policy.artifact)
     assert model.info.training_rows == policy.training_rows == 1920  # 80% of the 2400 older
@@ -166,7 +167,9 @@ def test_retrain_button_runs_in_the_background(operator, db_url):
     assert done["policy"]["version"] == 1 and done["policy"]["active"]
     assert done["policy"]["validation_metrics"]["mape"] < 0.1
     page = operator.get("/policies").text
-    assert 'data-version="1"' in page and "activated: better than analytic fallback" in page
+    assert (
+        'data-version="1"' in page and "activated: better than the refitted analytic model" in page
+    )
     assert "held-out MAPE" in operator.get("/retrain").text
     assert operator.get("/api/policies").get_json()["active_version"] == 1
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from attention_fakes import FakePool, Mode, attention_layer, fused_qkv
 
-from sglang_adatree.sglang.cpu_attention import (
+from sglang_adatree.sglang.cpu.attention import (
     AdaTreeCpuAttnBackend,
     AdaTreeCpuMultiStepDraftBackend,
 )

@@ -7,7 +7,7 @@ does (read from ``kernels/ops/speculative/cache_locs.py``, ``eagle.py`` and
 
 import torch
 
-from sglang_adatree.sglang import cpu_kernels
+from sglang_adatree.sglang.cpu import kernels as cpu_kernels
 
 torch.manual_seed(0)
 

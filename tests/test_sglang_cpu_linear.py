@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from sglang.srt.batch_invariant_ops import batch_invariant_ops
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from sglang_adatree.sglang import cpu, cpu_weights
-from sglang_adatree.sglang.cpu import LINEAR_ROWS, _linear, _weights_updated
-from sglang_adatree.sglang.cpu_weights import (
+from sglang_adatree.sglang.cpu import hooks as cpu
+from sglang_adatree.sglang.cpu import weights as cpu_weights
+from sglang_adatree.sglang.cpu.hooks import LINEAR_ROWS, _linear, _weights_updated
+from sglang_adatree.sglang.cpu.weights import (
     PACKED_LINEAR_BUDGET_ENV,
     forget_weight_copies,
     packed_linear_budget_bytes,

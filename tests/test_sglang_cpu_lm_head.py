@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_adatree.sglang import cpu, cpu_weights
-from sglang_adatree.sglang.cpu import (
+from sglang_adatree.sglang.cpu import hooks as cpu
+from sglang_adatree.sglang.cpu import weights as cpu_weights
+from sglang_adatree.sglang.cpu.hooks import (
     LM_HEAD_MAX_ROWS_ONE_THREAD,
     LM_HEAD_MAX_ROWS_THREADED,
     LM_HEAD_MIN_VOCAB,
@@ -20,7 +21,7 @@ from sglang_adatree.sglang.cpu import (
     lm_head_logits,
     lm_head_max_rows,
 )
-from sglang_adatree.sglang.cpu_weights import transposed_weight
+from sglang_adatree.sglang.cpu.weights import transposed_weight
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import pytest
 
-from sglang_adatree.shapes import (
+from sglang_adatree.core.shapes import (
     DEFAULT_CANDIDATES,
     NO_SPEC,
     ShapeError,

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_adatree.shapes import TreeShape
+from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.control import read_control_state
-from sglang_adatree.telemetry.models import Pin, Policy
+from sglang_adatree.telemetry.models import PinRow, Policy
 
 pytest_plugins = ["telemetry_fixtures"]
 
 
-def _pin(shape, created_at, low=None, high=None, cleared_at=None) -> Pin:
-    return Pin(
+def _pin(shape, created_at, low=None, high=None, cleared_at=None) -> PinRow:
+    return PinRow(
         steps=shape[0],
         topk=shape[1],
         num_draft_tokens=shape[2],

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from sglang_adatree import cli
 from sglang_adatree.telemetry import store
@@ -188,3 +189,52 @@ def test_upgrade_works_outside_the_source_tree(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "(head)" in done.stdout
     store.check_schema_at_head(store.get_engine(url))
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0003_keeps_recorded_steps_and_retires_old_feature_versions(backend, tmp_path, request):
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'a.sqlite'}"
+    else:
+        url = request.getfixturevalue("pg_server").create_database()
+    store.upgrade(url, "0002")
+    engine = store.get_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (started_at, target_model, device, package_version, config, "
+                "node, rank, dropped_steps, rejected_steps) "
+                "VALUES (1.0, 't', 'cpu', '0', '{}', 'n', 0, 0, 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO steps (run_id, step_index, wall_time, batch_size, sum_context_len, "
+                "max_context_len, prefill_tokens, steps, topk, num_draft_tokens, "
+                "decision_source, measured_step_ms, measured_accept_len, emitted_tokens, "
+                "drafted_tokens, accepted_tokens, goodput, accepted_by_depth, accepted_by_rank) "
+                "VALUES (1, 0, 2.0, 3, 300, 100, 0, 3, 1, 4, 'model', 9.0, 2.0, 6, 9, 3, 666.0, "
+                "'2,1,0', '3')"
+            )
+        )
+        for version, names, active in ((1, ["batch_size", "prefill_tokens"], True),):
+            conn.execute(
+                text(
+                    "INSERT INTO policies (version, created_at, artifact, feature_names, "
+                    "training_rows, validation_metrics, active) "
+                    "VALUES (:v, 1.0, :a, :f, 10, '{}', :active)"
+                ),
+                {"v": version, "a": b"x", "f": json.dumps(names), "active": active},
+            )
+    store.upgrade(url)
+    _check_migrated(url)
+    with engine.connect() as conn:
+        step = conn.execute(text("SELECT batch_size, padded_batch_size FROM steps")).one()
+        unfinished = conn.execute(text("SELECT unfinished_steps FROM runs")).scalar()
+        active = conn.execute(text("SELECT active FROM policies WHERE version = 1")).scalar()
+        audit = conn.execute(text("SELECT actor, action FROM audit_log")).all()
+    assert tuple(step) == (3, 3) and unfinished == 0 and not active
+    assert [tuple(a) for a in audit] == [("migration 0003", "policy.deactivate")]
+    assert store.downgrade(url, "0002") == "0002"
+    store.upgrade(url)
+    _check_migrated(url)

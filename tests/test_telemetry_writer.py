@@ -4,11 +4,13 @@ close and at interpreter exit, rows the database refuses."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -167,7 +169,7 @@ def test_from_config_uses_the_telemetry_settings(sqlite_url):
 
 def test_unclosed_writer_flushes_at_interpreter_exit(sqlite_url):
     script = textwrap.dedent(f"""
-        from sglang_adatree.telemetry.bench import make_step
+        from step_records import make_step
         from sglang_adatree.telemetry.records import RunRecord
         from sglang_adatree.telemetry.writer import TelemetryWriter
         w = TelemetryWriter({sqlite_url!r}, flush_s=60.0)
@@ -176,8 +178,13 @@ def test_unclosed_writer_flushes_at_interpreter_exit(sqlite_url):
             w.record(make_step(run_id, i))
         print(run_id)
     """)  # no close(): atexit must write the 777 queued rows
+    tests = str(Path(__file__).resolve().parent)  # step_records lives beside this file
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": tests},
     )
     assert done.returncode == 0, done.stderr
     assert step_count(sqlite_url, int(done.stdout)) == 777

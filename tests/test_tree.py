@@ -8,7 +8,7 @@ from tree_fixtures import (
     six_node_draft,
 )
 
-from sglang_adatree.tree import (
+from sglang_adatree.sglang.tree import (
     TreeMaskMode,
     accepted_path_stats,
     build_verify_tree,

@@ -12,14 +12,14 @@ from tree_fixtures import (
     six_node_draft,
 )
 
-from sglang_adatree.tree import TreeMaskMode, build_verify_tree, organize_draft_results
-from sglang_adatree.verify import (
+from sglang_adatree.sglang.cpu.verify import (
     target_probs_from_logits,
     top_k_renorm_prob,
     top_p_renorm_prob,
     verify_tree_greedy,
     verify_tree_sampling,
 )
+from sglang_adatree.sglang.tree import TreeMaskMode, build_verify_tree, organize_draft_results
 
 
 def buffers(batch, n, steps):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_adatree.tree import (
+from sglang_adatree.sglang.tree import (
     DraftSelection,
     TreeMaskMode,
     VerifyTree,

@@ -3,7 +3,8 @@ per policy version.
 
 The predictions are the ones each step was decided with (the cost model's step time after the
 online residual correction, and the acceptance estimator's expected acceptance length); steps
-decided without the model (a pin, warm-up) carry none and are skipped. Errors are relative:
+that carry none are skipped, and so are the steps no cost model learns
+from (``telemetry.learning``: catch-up steps, steps without a measured time). Errors are relative:
 ``|predicted - measured| / measured``; a policy version's error is the mean over its steps
 (MAPE), its bias ``mean(predicted / measured) - 1``.
 
@@ -16,11 +17,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from sglang_adatree.admin.queries.runs import TimeRange, newest_rows
+from sglang_adatree.admin.queries.sums import bucket_index
+from sglang_adatree.admin.queries.timeseries import MAX_POINTS, bucket_width
 from sqlalchemy import Connection, func, select
 
-from admin.queries.runs import TimeRange, newest_rows
-from admin.queries.sums import bucket_index
-from admin.queries.timeseries import MAX_POINTS, bucket_width
+from sglang_adatree.telemetry.learning import learnable
 from sglang_adatree.telemetry.models import Step
 
 MAX_SCAN_ROWS = 50_000
@@ -106,7 +108,7 @@ def cost_report(
         Step.wall_time >= window.start,
         Step.wall_time <= tr.end,
         Step.predicted_step_ms.is_not(None),
-        Step.measured_step_ms > 0,
+        learnable(),
     )
     ape = func.abs(Step.predicted_step_ms - Step.measured_step_ms) / Step.measured_step_ms
     per_version = conn.execute(

@@ -19,9 +19,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sglang_adatree.admin.queries.sums import BucketSums, bucket_index, combine, concat
 from sqlalchemy import Connection, func, select
 
-from admin.queries.sums import BucketSums, bucket_index, combine, concat
 from sglang_adatree.telemetry.models import Step
 
 GRANULE_S = 10.0

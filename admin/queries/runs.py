@@ -1,4 +1,4 @@
-"""Runs, their time extent, and the candidate set that pins are validated against."""
+"""Runs and their time extent."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.shapes import ShapeError, TreeShape, validate_candidates
+from sglang_adatree.telemetry.control import recorded_candidates
 from sglang_adatree.telemetry.models import Run, Step, StepRollup
 
 # Time ranges the pages offer: name -> span in seconds (None: the whole run).
@@ -39,6 +38,7 @@ class RunSummary:
     sglang_version: str | None
     dropped_steps: int
     rejected_steps: int
+    unfinished_steps: int
     last_step_index: int | None  # newest recorded step still in ``steps`` (None: none)
     candidate_shapes: tuple[str, ...]  # from the run's recorded config ('S,K,N')
 
@@ -65,37 +65,6 @@ class TimeRange:
         return {"name": self.name, "label": RANGE_LABELS[self.name], **asdict(self)}
 
 
-@dataclass(frozen=True)
-class CandidateSet:
-    """The shapes an operator may pin, and where that set came from."""
-
-    shapes: tuple[TreeShape, ...]
-    source: str  # "run" (the latest run's recorded config) or "config" (no usable run)
-    run_id: int | None
-
-    def describe(self) -> str:
-        if self.source == "run":
-            return f"the recorded config of run {self.run_id} (the latest run)"
-        return "the dashboard's own AdaTree configuration (no run with a candidate set recorded)"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shapes": [str(s) for s in self.shapes],
-            "source": self.source,
-            "run_id": self.run_id,
-            "description": self.describe(),
-        }
-
-
-def _recorded_candidates(config: Any) -> tuple[str, ...]:
-    if not isinstance(config, dict):
-        return ()
-    shapes = config.get("candidate_shapes")
-    if not isinstance(shapes, list):
-        return ()
-    return tuple(str(s) for s in shapes)
-
-
 def _last_step_index(conn: Connection, run_id: int) -> int | None:
     stmt = select(func.max(Step.step_index)).where(Step.run_id == run_id)
     return conn.execute(stmt).scalar()
@@ -115,8 +84,9 @@ def _summary(conn: Connection, row: Any) -> RunSummary:
         sglang_version=row.sglang_version,
         dropped_steps=int(row.dropped_steps or 0),
         rejected_steps=int(row.rejected_steps or 0),
+        unfinished_steps=int(row.unfinished_steps or 0),
         last_step_index=_last_step_index(conn, row.id),
-        candidate_shapes=_recorded_candidates(row.config),
+        candidate_shapes=recorded_candidates(row.config),
     )
 
 
@@ -135,27 +105,6 @@ def latest_run_id(conn: Connection) -> int | None:
     """The run started last; the pages show it when no run is chosen."""
     stmt = select(Run.id).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)
     return conn.execute(stmt).scalar()
-
-
-def candidate_set(conn: Connection, fallback: AdaTreeConfig) -> CandidateSet:
-    """The latest run's recorded ``candidate_shapes``, else ``fallback``'s.
-
-    A running server builds runtime state for exactly its candidate shapes at start-up and
-    refuses a pin outside them, so the latest run's recorded config is the best statement of
-    what the serving fleet accepts.
-    """
-    row = conn.execute(
-        select(Run.id, Run.config).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)
-    ).first()
-    if row is not None:
-        recorded = _recorded_candidates(row.config)
-        try:
-            shapes = validate_candidates(TreeShape.parse(s) for s in recorded)
-        except ShapeError:
-            shapes = ()
-        if shapes:
-            return CandidateSet(shapes, "run", row.id)
-    return CandidateSet(tuple(fallback.candidate_shapes), "config", None)
 
 
 def run_extent(conn: Connection, run_id: int) -> tuple[float, float] | None:

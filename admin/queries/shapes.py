@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_adatree.admin.queries.runs import TimeRange, newest_rows
+from sglang_adatree.admin.queries.sums import bucket_index, shape_label
 from sqlalchemy import Connection, func, select
 
-from admin.queries.runs import TimeRange, newest_rows
-from admin.queries.sums import bucket_index, shape_label
 from sglang_adatree.telemetry.models import Step, StepRollup
 from sglang_adatree.telemetry.records import decode_counts
 

@@ -20,11 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, func, literal, select
-
-from admin.queries.granules import GRANULE_S, GranuleCache
-from admin.queries.runs import TimeRange
-from admin.queries.sums import (
+from sglang_adatree.admin.queries.granules import GRANULE_S, GranuleCache
+from sglang_adatree.admin.queries.runs import TimeRange
+from sglang_adatree.admin.queries.sums import (
     BucketSums,
     Points,
     bucket_index,
@@ -33,6 +31,8 @@ from admin.queries.sums import (
     shape_label,
     shape_shares,
 )
+from sqlalchemy import Connection, func, literal, select
+
 from sglang_adatree.telemetry.models import Step, StepRollup
 
 MAX_POINTS = 2000

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 from sglang_adatree.models.hardware import cpu_name
-from sglang_adatree.shapes import NO_SPEC, TreeShape
 
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 16, 24)
 

@@ -23,9 +23,9 @@ def _worker_class(server_args: Any) -> type:
 
 def _server_info(result: Any, controller: Any, state: dict) -> None:
     """AFTER hook on the scheduler's speculative readback: adatree's live state too."""
-    runtime = getattr(controller.scheduler.draft_worker, "_runtime", None)
-    if runtime is not None:
-        state.update(runtime.server_state())
+    worker = controller.scheduler.draft_worker
+    if hasattr(worker, "adatree_server_state"):
+        state.update(worker.adatree_server_state())
 
 
 def register() -> None:
@@ -33,7 +33,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sglang_adatree.sglang.cpu_weights import packed_linear_budget_bytes
+    from sglang_adatree.sglang.cpu.weights import packed_linear_budget_bytes
 
     # A bad setting stops the whole plug-in here (SGLang logs the error), not half of it later.
     packed_linear_budget_bytes()
@@ -41,7 +41,9 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_adatree.sglang import cpu, empty_prompts, profiling
+    from sglang_adatree.sglang import empty_prompts, profiling
+    from sglang_adatree.sglang.cpu import hooks as cpu
+    from sglang_adatree.sglang.launched import finish_on_resolved_tokens
     from sglang_adatree.sglang.spec_algo import (
         ALGORITHM_NAME,
         AdaTreeSpecAlgo,
@@ -59,6 +61,13 @@ def register() -> None:
         "sglang.srt.managers.scheduler_components.internal_state."
         "SchedulerInternalStateController._add_speculative",
         _server_info,
+        HookType.AFTER,
+    )
+    # A decode step finishes when the scheduler has its result's accept counts on the CPU.
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor._resolve_spec_v2_tokens",
+        finish_on_resolved_tokens,
         HookType.AFTER,
     )
     cpu.install_hooks()

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from sglang_adatree.config import ConfigError, load_config
-from sglang_adatree.shapes import ShapeError, parse_candidates
+from sglang_adatree.core.shapes import ShapeError, parse_candidates
 
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--disable-cuda-graph", None),

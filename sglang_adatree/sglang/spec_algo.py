@@ -17,8 +17,8 @@ from typing import Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 
 from sglang_adatree.config import AdaTreeConfig, ConfigError, load_config
+from sglang_adatree.core.shapes import Envelope, envelope
 from sglang_adatree.drafts import draft_kind_of
-from sglang_adatree.shapes import Envelope, envelope
 
 logger = logging.getLogger(__name__)
 

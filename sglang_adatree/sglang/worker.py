@@ -3,28 +3,25 @@
 It extends SGLang's EAGLE V2 worker (EAGLE / EAGLE-3 heads) or its STANDALONE V2 worker (a
 separate small draft model). At start-up it builds one runtime state per candidate shape
 ``(steps, topk, num_draft_tokens)``, no speculation included: draft attention backends, the
-target's verify backend and, on a GPU, their CUDA graphs. Each decode step it asks the
-adaptive runtime for a shape, swaps in that shape's state, runs SGLang's own draft / verify /
-draft-extend, and reports what happened when the accept counts reach the CPU.
-
-Draft catch-up: under ``skip_idle_draft_extend`` a step without speculation skips the draft's
-extend, leaving a placeholder draft input (SGLang's "cold recovery"). The worker remembers which
-requests skipped it, and the runtime runs one step without speculation but with the extend
-(``catch-up``) before the next speculative step over them.
+target's verify backend and, on a GPU, their CUDA graphs. Each decode step it opens a ticket
+with the step controller (``core.controller``: the shape, and whether the step skips the
+draft's extend), swaps in that shape's state, runs SGLang's own draft / verify / draft-extend,
+and attaches what it launched to the step's result object. When the scheduler has the result's
+accept counts on the CPU (one step late under overlap scheduling), a hook on its result
+processor finishes that ticket with them: the result carries its own ticket, so a step whose
+result never comes back cannot shift another's record.
 
 Top-k relay: the draft extend of every step produces candidates at the envelope's top-k, and
 each draft slices the prefix it needs (top-k outputs are sorted, so the prefix is exact). That
 keeps the relayed tensors one width whatever the next shape is.
 
-Tensor parallelism: every rank must run the same shape. Features (request count and context
-lengths) and acceptance (every rank verifies the same tokens) are the same on all ranks, but
-measured step times are not, so cost corrections could drift apart: rank 0 decides and
-broadcasts its decision (``runtime.broadcast_decision``), and every rank runs it.
+Tensor parallelism: every rank must run the same shape. Only rank 0 holds a controller (and
+its telemetry and control poller); it broadcasts its step plan
+(``controller.plan_on_every_rank``) and every rank runs it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
@@ -41,11 +38,15 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker, StandaloneWorkerV2
 from sglang.srt.utils.common import get_available_gpu_memory
 
-from sglang_adatree.policy import CATCH_UP
-from sglang_adatree.runtime import broadcast_decision
+from sglang_adatree.config import load_config
+from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.controller import BatchView, StepOutcome, plan_on_every_rank
+from sglang_adatree.core.features import NO_GRAPHS, GraphPadding
+from sglang_adatree.core.shapes import TreeShape, envelope
+from sglang_adatree.sglang.launched import LAUNCHED_ATTR, LaunchedStep
 from sglang_adatree.sglang.profiling import StepProfiler
-from sglang_adatree.shapes import TreeShape, envelope
-from sglang_adatree.tree import AcceptedPathStats, accepted_path_stats
+from sglang_adatree.sglang.serving import ServingLoop, create_serving_loop
+from sglang_adatree.sglang.tree import accepted_path_stats
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +58,6 @@ class ShapeState:
     shape: TreeShape
     runtime: SpecRuntimeState
     tree_mask_mode: Any  # SGLang's TreeMaskMode for this state's verify mask
-
-
-@dataclass
-class PendingStep:
-    """A launched decode step waiting for its accept counts to reach the CPU."""
-
-    shape: TreeShape
-    decision: Any
-    features: Any
-    batch_size: int
-    started: float
-    end_event: Any  # a device event on GPUs; None on CPUs (the step ran synchronously)
-    start_event: Any
-    finished: float | None
-    stats: AcceptedPathStats | None  # host copies; None without speculation
 
 
 def _relay_draft_worker(base: type) -> type:
@@ -147,10 +133,8 @@ class AdaTreeWorkerMixin:
     device: Any
 
     def _adatree_setup(self, relay_class: type) -> None:
-        from sglang_adatree.sglang.serving import create_runtime
-
-        self._runtime = create_runtime(self)
-        candidates = self._runtime.candidate_shapes
+        self._config = load_config()
+        candidates = self._config.candidate_shapes
         self._envelope = envelope(candidates)
         dw = self._draft_worker
         dw.__class__ = relay_class
@@ -159,16 +143,11 @@ class AdaTreeWorkerMixin:
         self._current_shape = TreeShape(
             self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens
         )
-        self._pending: collections.deque[PendingStep] = collections.deque()
-        self._is_rank0 = get_parallel().tp_rank == 0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
-        # Requests whose draft skipped its extend on the last step: their next draft input is a
-        # placeholder, so the runtime puts a catch-up step before speculating again.
-        self._draft_behind: set[str] = set()
-        if self._runtime.config.skip_idle_draft_extend:
-            # SGLang's own switch, read on every step without speculation in this process.
-            envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.set(True)
+        # Rank 0's controller, telemetry and poller, made once the graphs (and with them the
+        # padded batch sizes) exist; None on the other ranks.
+        self._loop: ServingLoop | None = None
 
     # -- runtime states ---------------------------------------------------------------------
 
@@ -273,7 +252,7 @@ class AdaTreeWorkerMixin:
 
     def _build_all_states(self) -> None:
         tic = time.perf_counter()
-        for shape in self._runtime.candidate_shapes:
+        for shape in self._config.candidate_shapes:
             self._shape_states[shape] = self._build_shape_state(shape)
         logger.info(
             "adatree: %d runtime states ready in %.1fs (envelope %s)",
@@ -281,11 +260,21 @@ class AdaTreeWorkerMixin:
             time.perf_counter() - tic,
             self._envelope,
         )
-        first = self._runtime.candidate_shapes[-1]
+        first = self._config.candidate_shapes[-1]
         self._current_shape = TreeShape(
             self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens
         )
         self._apply_shape(first)
+        self._loop = create_serving_loop(self, self._config, self._graph_padding())
+
+    def _graph_padding(self) -> GraphPadding:
+        """The decode batch sizes the target's verify graphs were captured for (every shape's
+        runner captures the same sizes); none without graphs."""
+        for state in self._shape_states.values():
+            runner = state.runtime.target_graph_runner
+            if runner is not None:
+                return GraphPadding(tuple(sorted(int(b) for b in runner.capture_bs)))
+        return NO_GRAPHS
 
     # -- the decode step --------------------------------------------------------------------
 
@@ -299,51 +288,50 @@ class AdaTreeWorkerMixin:
             self.topk = saved
 
     def activate_step_by_batch(self, batch_size: int) -> None:
-        # The shape was chosen in forward_batch_generation, with more than the batch size.
+        # The shape is chosen in forward_batch_generation, with more than the batch size.
         return None
 
-    def _decide(self, batch: Any, draft_behind: bool) -> tuple[Any, Any]:
-        """Rank 0's decision for this batch, the same on every tensor-parallel rank."""
-        # Context lengths come from the requests (host memory, identical on every rank).
-        context_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
-        decision, features = self._runtime.decide(context_lens, draft_behind=draft_behind)
-        return broadcast_decision(decision, get_parallel().tp_group), features
+    def on_verify_complete_cpu(
+        self, num_correct_drafts_per_req: list[int], batch_size: int = 0
+    ) -> None:
+        # Steps finish through the result processor hook (finish_launched_step), which has
+        # the result and with it the step's own ticket; this call carries neither.
+        return None
 
     def _decode_step(self, run_step: Any, batch: Any) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost; on a
         # GPU, device events bracket the step's work without a sync.
         self._profiler.begin()
         started = time.perf_counter()
-        rids = [r.rid for r in batch.reqs]
-        decision, features = self._decide(batch, not self._draft_behind.isdisjoint(rids))
-        self._apply_shape(decision.shape)
-        shape = decision.shape
-        catch_up = decision.source == CATCH_UP
-        skips_extend = (
-            self._runtime.config.skip_idle_draft_extend and not shape.speculative and not catch_up
+        # Request ids and context lengths are host memory, identical on every rank.
+        view = BatchView(
+            tuple(r.rid for r in batch.reqs),
+            tuple(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs),
         )
+        controller = self._loop.controller if self._loop is not None else None
+        plan, ticket = plan_on_every_rank(controller, view, get_parallel().tp_group)
+        self._apply_shape(plan.shape)
+        shape = plan.shape
         start_event = end_event = None
-        if not self._on_cpu:
+        if not self._on_cpu and ticket is not None:
             device_module = torch.get_device_module(self.device)
             start_event = device_module.Event(enable_timing=True)
             end_event = device_module.Event(enable_timing=True)
             start_event.record()
         dw = self._draft_worker
         dw.last_top_scores_index = dw.last_verify_input = None
-        # SGLang reads its switch on every step: a catch-up runs the draft's extend.
-        switch = envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND
-        with switch.override(False) if catch_up else contextlib.nullcontext():
+        # SGLang reads this switch on every step without speculation: the plan says whether
+        # the draft's extend runs (a catch-up step, or skip_idle_draft_extend off) or not.
+        with envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.override(plan.skips_draft_extend):
             output = run_step()
-        # Only this batch's requests can be behind after this step: a request that leaves the
-        # batch finishes, or comes back through a prefill, which runs the draft's extend.
-        self._draft_behind = set(rids) if skips_extend else set()
-        finished = None
+        if ticket is None:
+            return output
         if end_event is not None:
             end_event.record()
-        stats = None
+        paths = None
         verify_input = dw.last_verify_input
         if shape.speculative and verify_input is not None:
-            stats = accepted_path_stats(
+            paths = accepted_path_stats(
                 accept_index=output.accept_index,
                 accept_token_num=output.accept_lens - 1,
                 retrieve_next_token=verify_input.retrieve_next_token,
@@ -352,7 +340,8 @@ class AdaTreeWorkerMixin:
                 topk=shape.topk,
             )
             if not self._on_cpu:
-                stats = _to_host(stats)
+                paths = _to_host(paths)
+        finished = None
         if end_event is None:
             finished = time.perf_counter()
             if self._profiler.enabled:
@@ -360,45 +349,27 @@ class AdaTreeWorkerMixin:
                 if shape.speculative and getattr(output, "accept_lens", None) is not None:
                     emitted = float(output.accept_lens.float().mean())
                 self._profiler.end(
-                    str(shape), len(batch.reqs), finished - started, decision.source, emitted
+                    str(shape), len(batch.reqs), finished - started, str(plan.source), emitted
                 )
-        self._pending.append(
-            PendingStep(
-                shape=shape,
-                decision=decision,
-                features=features,
-                batch_size=len(batch.reqs),
-                started=started,
-                start_event=start_event,
-                end_event=end_event,
-                finished=finished,
-                stats=stats,
-            )
-        )
-        # A step whose results never come back (an aborted batch) must not pin memory.
-        while len(self._pending) > 8:
-            self._pending.popleft()
+        launched = LaunchedStep(ticket, started, finished, start_event, end_event, paths)
+        setattr(output, LAUNCHED_ATTR, launched)
         return output
 
-    def on_verify_complete_cpu(
-        self, num_correct_drafts_per_req: list[int], batch_size: int = 0
-    ) -> None:
-        if not self._pending:
+    def finish_launched_step(self, launched: LaunchedStep, accepted: list[int]) -> None:
+        """Finish a launched step's ticket with its accept counts, now on the CPU."""
+        if self._loop is None:
             return
-        step = self._pending.popleft()
-        if step.end_event is not None:
-            # The scheduler copied this step's results to the host, so the step is done.
-            measured_ms = step.start_event.elapsed_time(step.end_event)
-        else:
-            measured_ms = (step.finished - step.started) * 1000.0
-        self._runtime.complete_step(
-            decision=step.decision,
-            features=step.features,
-            measured_ms=measured_ms,
-            num_correct_drafts_per_req=list(num_correct_drafts_per_req),
-            stats=step.stats,
-            record_timing=self._is_rank0,
+        outcome = StepOutcome(
+            measured_ms=launched.measured_ms(),
+            accepted_per_request=tuple(int(n) for n in accepted),
+            wall_time=time.time(),
+            paths=launched.paths,
         )
+        self._loop.controller.finish(launched.ticket, outcome)
+
+    def adatree_server_state(self) -> dict[str, Any]:
+        """adatree's entries of ``/server_info``'s ``internal_states`` (rank 0's)."""
+        return {} if self._loop is None else self._loop.server_state()
 
 
 def _to_host(stats: AcceptedPathStats) -> AcceptedPathStats:

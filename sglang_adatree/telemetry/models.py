@@ -8,7 +8,8 @@ and compare them the same way and the dashboard's time ranges are plain number r
 
 Tables:
 
-* ``runs``: one per server start and rank; holds the persisted writer drop counters.
+* ``runs``: one per server start and rank; holds the persisted counters of steps without a
+  row (dropped by the writer, refused by the database, or never finished).
 * ``steps``: one per decode step (see ``records.StepRecord``); the dashboard reads it by run and
   time range, or the latest N steps of a run.
 * ``step_rollups``: per-minute sums per run and shape, written by retention for long ranges.
@@ -70,10 +71,12 @@ class Run(Base):
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     node: Mapped[str] = mapped_column(String(255))
     rank: Mapped[int] = mapped_column(Integer)
-    # Step records the writer dropped because its queue was full (drop-newest policy), and
-    # records the database refused (e.g. a constraint); both persisted by the writer.
+    # Step records the writer dropped because its queue was full (drop-newest policy), records
+    # the database refused (e.g. a constraint), and launched decode steps whose outcome never
+    # came back (so they have no record); all persisted by the writer.
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     rejected_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    unfinished_steps: Mapped[int] = mapped_column(BigInteger, default=0)
 
     __table_args__ = (Index(None, "started_at"),)
 
@@ -88,9 +91,9 @@ class Step(Base):
     step_index: Mapped[int] = mapped_column(BigInteger)
     wall_time: Mapped[float] = mapped_column(Double)
     batch_size: Mapped[int] = mapped_column(Integer)
+    padded_batch_size: Mapped[int] = mapped_column(Integer)  # the CUDA-graph size it ran as
     sum_context_len: Mapped[int] = mapped_column(BigInteger)
     max_context_len: Mapped[int] = mapped_column(Integer)
-    prefill_tokens: Mapped[int] = mapped_column(Integer)
     steps: Mapped[int] = mapped_column(Integer)
     topk: Mapped[int] = mapped_column(Integer)
     num_draft_tokens: Mapped[int] = mapped_column(Integer)
@@ -126,7 +129,6 @@ class StepRollup(Base):
     sum_batch_size: Mapped[int] = mapped_column(BigInteger)
     max_batch_size: Mapped[int] = mapped_column(Integer)
     sum_context_len: Mapped[int] = mapped_column(BigInteger)
-    prefill_tokens: Mapped[int] = mapped_column(BigInteger)
     sum_measured_step_ms: Mapped[float] = mapped_column(Double)
     sum_predicted_step_ms: Mapped[float] = mapped_column(Double)
     num_predicted: Mapped[int] = mapped_column(Integer)  # steps that carried predictions
@@ -164,7 +166,7 @@ class Policy(Base):
     __table_args__ = (Index(None, "active"),)
 
 
-class Pin(Base):
+class PinRow(Base):
     """An operator's pinned shape for all batches or a batch-size range; active until cleared."""
 
     __tablename__ = "pins"

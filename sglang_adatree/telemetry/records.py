@@ -37,13 +37,13 @@ class StepRecord:
     step_index: int
     wall_time: float  # unix seconds at the end of the step
     batch_size: int
+    padded_batch_size: int  # the CUDA-graph batch size it ran as (batch_size without graphs)
     sum_context_len: int
     max_context_len: int
-    prefill_tokens: int  # prefill tokens scheduled in the same forward (mixed batches)
     steps: int
     topk: int
     num_draft_tokens: int
-    decision_source: str  # one of policy.SOURCES
+    decision_source: str  # a policy.DecisionSource value
     policy_version: int | None
     predicted_step_ms: float | None
     measured_step_ms: float

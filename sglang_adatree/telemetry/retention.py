@@ -36,7 +36,6 @@ _ROLLED_COLUMNS = (
     Step.num_draft_tokens,
     Step.batch_size,
     Step.sum_context_len,
-    Step.prefill_tokens,
     Step.measured_step_ms,
     Step.predicted_step_ms,
     Step.measured_accept_len,
@@ -65,7 +64,6 @@ class _Sums:
     sum_batch_size: int = 0
     max_batch_size: int = 0
     sum_context_len: int = 0
-    prefill_tokens: int = 0
     sum_measured_step_ms: float = 0.0
     sum_predicted_step_ms: float = 0.0
     num_predicted: int = 0
@@ -83,7 +81,6 @@ class _Sums:
         self.sum_batch_size += row.batch_size
         self.max_batch_size = max(self.max_batch_size, row.batch_size)
         self.sum_context_len += row.sum_context_len
-        self.prefill_tokens += row.prefill_tokens
         self.sum_measured_step_ms += row.measured_step_ms
         self.sum_measured_accept_len += row.measured_accept_len
         # Predictions come together (a model decision) or not at all (a pin may skip them).
@@ -121,7 +118,6 @@ _SUMMED = (
     "num_steps",
     "sum_batch_size",
     "sum_context_len",
-    "prefill_tokens",
     "sum_measured_step_ms",
     "sum_predicted_step_ms",
     "num_predicted",

@@ -150,8 +150,8 @@ def session_scope(db: str | URL | Engine) -> Iterator[Session]:
 
 
 def migrations_dir() -> Path:
-    """The alembic script directory: the installed top-level ``migrations`` package."""
-    import migrations
+    """The alembic script directory: the ``sglang_adatree.migrations`` package."""
+    from sglang_adatree import migrations
 
     # __path__, not __file__: an editable install may expose the package as a namespace.
     for entry in migrations.__path__:

@@ -11,7 +11,8 @@ length check together, so the queue can exceed its bound by at most the number o
 Writer thread: wakes every few milliseconds and writes when a batch is full or the oldest row has
 waited ``flush_s``; each batch of up to ``batch_size`` rows is one transaction (``executemany``
 of plain tuples; ``COPY`` on PostgreSQL).
-Drop and reject counts go into ``runs.dropped_steps`` / ``runs.rejected_steps`` in the same
+Drop and reject counts, and the decode steps that never finished (``count_unfinished``), go into
+``runs.dropped_steps`` / ``runs.rejected_steps`` / ``runs.unfinished_steps`` in the same
 transaction as the next batch, so they survive the process. While the database is locked,
 read-only, missing or down, writes fail; the writer keeps the failed batch, retries with capped
 exponential backoff, lets the queue fill to its bound (at most ``queue_size + batch_size`` records
@@ -36,7 +37,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, insert, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
-from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.config import DEFAULTS, AdaTreeConfig
 from sglang_adatree.telemetry import retention
 from sglang_adatree.telemetry.models import Run, Step
 from sglang_adatree.telemetry.records import (
@@ -78,9 +79,9 @@ class TelemetryWriter:
         self,
         db: str | Engine,
         *,
-        queue_size: int = 65536,
-        batch_size: int = 2048,
-        flush_s: float = 0.5,
+        queue_size: int = DEFAULTS["telemetry_queue_size"],
+        batch_size: int = DEFAULTS["telemetry_batch_size"],
+        flush_s: float = DEFAULTS["telemetry_flush_s"],
         backoff_max_s: float = 5.0,
         retention_hours: float | None = None,
     ) -> None:
@@ -97,8 +98,9 @@ class TelemetryWriter:
         self._next_rollup = time.monotonic()
         self._insert_sql = steps_insert_sql(self._engine)
         self._copy_sql = steps_copy_sql(self._engine)
-        # Producer side: drops per run not yet handed to the writer thread.
+        # Producer side: drops and unfinished steps per run not yet handed to the writer thread.
         self._drops: dict[int, int] = {}
+        self._unfinished: dict[int, int] = {}
         self._drops_lock = threading.Lock()
         # Writer side: the batch being written and counts not yet persisted. _move_lock makes
         # "queue -> batch" atomic for flush(), which must not see a record in neither.
@@ -106,6 +108,7 @@ class TelemetryWriter:
         self._move_lock = threading.Lock()
         self._unsaved_drops: dict[int, int] = {}
         self._unsaved_rejects: dict[int, int] = {}
+        self._unsaved_unfinished: dict[int, int] = {}
         self._written = self._dropped = self._rejected = self._lost = self._failures = 0
         self._last_error: str | None = None
         self._down_since: float | None = None
@@ -142,6 +145,12 @@ class TelemetryWriter:
             self._dropped += 1
         return False
 
+    def count_unfinished(self, run_id: int, count: int) -> None:
+        """Count decode steps of ``run_id`` that were launched but never finished (their
+        outcome never came back, so they have no row). Never blocks, never raises."""
+        with self._drops_lock:
+            self._unfinished[run_id] = self._unfinished.get(run_id, 0) + count
+
     # ---- start-up and shutdown -----------------------------------------------------------------
 
     def start_run(self, run: RunRecord) -> int:
@@ -159,6 +168,7 @@ class TelemetryWriter:
             "rank": run.rank,
             "dropped_steps": 0,
             "rejected_steps": 0,
+            "unfinished_steps": 0,
         }
         with self._engine.begin() as conn:
             return int(conn.execute(insert(Run).values(values).returning(Run.id)).scalar_one())
@@ -235,8 +245,10 @@ class TelemetryWriter:
                 self._queue
                 or self._batch
                 or self._drops
+                or self._unfinished
                 or self._unsaved_drops
                 or self._unsaved_rejects
+                or self._unsaved_unfinished
             )
 
     def _run(self) -> None:
@@ -279,7 +291,12 @@ class TelemetryWriter:
         with self._engine.connect() as conn:
             while True:
                 self._fill_batch()
-                if not (self._batch or self._unsaved_drops or self._unsaved_rejects):
+                if not (
+                    self._batch
+                    or self._unsaved_drops
+                    or self._unsaved_rejects
+                    or self._unsaved_unfinished
+                ):
                     return
                 try:
                     with conn.begin():
@@ -317,8 +334,11 @@ class TelemetryWriter:
                 batch.append(queue.popleft())
             with self._drops_lock:
                 drops, self._drops = self._drops, {}
+                unfinished, self._unfinished = self._unfinished, {}
             for run_id, n in drops.items():
                 self._unsaved_drops[run_id] = self._unsaved_drops.get(run_id, 0) + n
+            for run_id, n in unfinished.items():
+                self._unsaved_unfinished[run_id] = self._unsaved_unfinished.get(run_id, 0) + n
 
     def _write_one_by_one(self, conn: Connection) -> None:
         """A batch with a bad row: write the rows singly so that only bad rows are lost."""
@@ -348,6 +368,7 @@ class TelemetryWriter:
         for column, counts in (
             (Run.dropped_steps, self._unsaved_drops),
             (Run.rejected_steps, self._unsaved_rejects),
+            (Run.unfinished_steps, self._unsaved_unfinished),
         ):
             for run_id, n in counts.items():
                 conn.execute(update(Run).where(Run.id == run_id).values({column: column + n}))
@@ -357,6 +378,7 @@ class TelemetryWriter:
         with self._move_lock:
             self._unsaved_drops.clear()
             self._unsaved_rejects.clear()
+            self._unsaved_unfinished.clear()
 
     def _failed(self, exc: Exception) -> None:
         self._failures += 1

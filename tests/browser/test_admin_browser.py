@@ -197,5 +197,5 @@ def test_press_retrain_and_see_the_new_version(page):
     page.goto("/policies")
     row = page.locator("#policies tr[data-version='1']")
     assert "active" in row.inner_text()
-    assert "better than analytic fallback" in row.inner_text()
+    assert "better than the refitted analytic model" in row.inner_text()
     shot(page, "policies")

@@ -1,0 +1,367 @@
+"""Online acceptance estimates by depth and sibling rank; expected emitted tokens of a shape.
+
+Sequoia's positional acceptance, kept per depth: ``hazard[d, r]`` is the probability that the
+rank-``r`` child (rank 0 = the draft's best) of an accepted depth-``d`` node is accepted, given
+that its better-ranked siblings were not. The unconditional chance that the rank-``r`` child is
+the accepted one is then ``p[d, r] = hazard[d, r] * prod_{j<r} (1 - hazard[d, j])``; it does not
+depend on how many siblings the tree kept.
+
+Estimates are Beta-style posteriors with explicit priors: ``acceptance_prior *
+PRIOR_RANK_RATIO**r`` for rank ``r`` at every depth, worth ``acceptance_prior_weight``
+observations at the start. Counts decay exponentially: each verify step that measures a cell
+keeps ``1 - acceptance_decay`` of its old counts, and of the prior's pseudo-observations too.
+The prior therefore fades once a cell is measured: were its weight kept, it would stay as large
+as the decayed evidence itself (about ``batch / acceptance_decay`` trials), and at batch size 1
+(20 pseudo-observations against about 50 real ones at decay 0.02) a true hazard of 0.2 would
+read 0.31 for ever. The effective observations behind a cell (its decayed trial count) are the
+confidence measure.
+
+The default decay, 0.005, keeps about 200 verify steps of evidence. At batch size 1 a step adds
+one trial per depth, and the estimate's noise must stay well under the margins the policy
+decides by: with 0.02 (50 trials) a hazard of 0.35 reads 0.35 +- 0.05, as wide as the gap
+between a chain that pays and one that does not on a CPU, so the policy dropped to no
+speculation on an unlucky streak and stayed there (no speculation measures no acceptance): on
+GSM8K at concurrency 1 it ran 1,1,2 on 47% of the steps although it measured 1,1,2 13-17%
+ahead (``tests/test_policy.py`` simulates this).
+
+Expected emitted tokens of a shape follow how EAGLE-2 builds the tree: a node's value is the
+product of ``p`` along its path; layer 1 holds the root's ``topk`` children; each further layer
+expands the ``topk`` best nodes of the previous one by ``topk`` children; the tree keeps the best
+``num_draft_tokens - 1`` nodes of all layers. Expected accepted tokens = sum of kept values,
+emitted = accepted + 1 bonus. A chain with constant acceptance ``a`` gives TurboSpec's
+``(1 - a**(k + 1)) / (1 - a)``; no speculation gives 1.
+
+Worked example, ``(2, 2, 3)`` with ``p[0] = p[1] = (0.6, 0.2)``: layer 1 values 0.6, 0.2;
+layer 2 values 0.36, 0.12, 0.12, 0.04; keep the best 2 nodes (0.6, 0.36): emitted 1.96.
+
+The positional model is biased for shapes whose paths the data rarely covers. Deep nodes of an
+EAGLE-2 tree exist only under paths the draft was confident about, so the deep hazards are
+measured mostly there, while a chain drafts its deep tokens whatever the confidence: in the CPU
+bench's telemetry (steps after the 100th, one run each) the trees that ran most were predicted
+within 3% (2,2,4 1.92 vs 1.94 emitted tokens, 3,4,8 2.27 vs 2.25), the chain 3,1,4 at 1.90 and
+1.92 against 1.50 and 1.61 measured, 4,2,8 at 2.31 against 2.00. So each shape carries a
+correction factor for how far it does better or worse than the model says, relative to the
+shape with the most evidence. A shape's raw factor is the mean, per request, of the ratio of
+the emitted tokens of its verify steps to what the model predicted for them (as of the last
+refresh, as the policy saw it), forgotten ``FACTOR_SPEED`` times faster than the counts and
+shrunk towards 1 by ``prior_weight`` pseudo-requests; a
+request counts with the model's confidence then (``confidence()``: while the hazards are
+mostly prior, a miss says nothing about the shape). Every factor is then divided by the raw
+factor of the shape with the most evidence, so that shape is predicted by the hazards alone and
+the level of every estimate stays the hazards': a factor that also moved the level would add
+its own noise to the choice between speculating and not (in ``tests/test_policy.py``'s
+batch-1 simulation it cost the paying chain its share of the steps on 4 of 6 seeds), and would
+take up the hazards' lag after a change of acceptance for whichever shape was running.
+The corrected estimate is clipped to ``[1, steps + 1]``.
+
+Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
+on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
+observations holds the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sglang_adatree.config import DEFAULTS, AdaTreeConfig
+from sglang_adatree.core.shapes import MAX_STEPS, MAX_TOPK, TreeShape
+
+# Prior hazard of the rank-r sibling relative to rank 0: drafts rank their best guess first,
+# and a later sibling is right less often once the better ones failed.
+PRIOR_RANK_RATIO = 0.5
+DEFAULT_REFRESH_EVERY = 16
+# A shape's raw factor forgets this many times faster than the counts (about its last 100
+# steps at the default decay): its standing against the reference shape should follow the
+# recent traffic. 2 kept most of a simulated chain's bias corrected when it ran in streaks of
+# 10 steps in 100 (tests/test_acceptance.py); 4 and 8 left more of it to the shrinkage.
+FACTOR_SPEED = 2.0
+
+
+@dataclass(frozen=True)
+class AcceptedPathStats:
+    """What the acceptance estimator learns from one verify step, per request and depth.
+
+    ``d`` runs over ``[0, steps)``; the accepted path is root = path[0], path[1], ...,
+    path[a] with ``a`` accepted draft tokens.
+
+    * ``num_children[b, d]``: children that path[d] has in the verified tree (how many
+      candidates the target could accept at depth d + 1); 0 when ``d > a``.
+    * ``accepted_rank[b, d]``: sibling rank of path[d + 1] among the ``topk`` draft children
+      of path[d] (0 = the draft's most likely token), or -1 when ``d >= a`` (nothing accepted
+      at depth d + 1).
+
+    So depth d "offered" ``num_children[b, d]`` tokens and the target took rank
+    ``accepted_rank[b, d]``, or rejected them all when that is -1 and ``num_children > 0``.
+    Both are integer arrays on the host (torch tensors or NumPy arrays).
+    """
+
+    num_children: Any  # [batch, steps] int64
+    accepted_rank: Any  # [batch, steps] int64
+
+
+def accepted_counts(
+    stats: AcceptedPathStats, topk: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(offered per depth, accepted per depth, accepted per sibling rank), batch totals."""
+    ranks = np.asarray(stats.accepted_rank)  # [batch, steps]
+    accepted = ranks >= 0
+    offered_by_depth = tuple(int(x) for x in np.asarray(stats.num_children).sum(0).tolist())
+    accepted_by_depth = tuple(int(x) for x in accepted.sum(0).tolist())
+    by_rank = np.bincount(ranks[accepted & (ranks < topk)], minlength=topk)[:topk]
+    return offered_by_depth, accepted_by_depth, tuple(int(x) for x in by_rank)
+
+
+@dataclass
+class _Counts:
+    """Decayed acceptance counts and the per-shape correction's evidence."""
+
+    trials: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    accepts: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    # Share of the prior's pseudo-observations still held: decays with the counts.
+    prior_keep: np.ndarray = field(default_factory=lambda: np.ones((MAX_STEPS, MAX_TOPK)))
+    acceptance_length: dict[TreeShape, float] = field(default_factory=dict)
+    # Per shape, decayed sums over requests (each weighted by the model's confidence then) of
+    # measured / predicted emitted tokens, and of the weights: the correction factor's evidence.
+    ratio_sum: dict[TreeShape, float] = field(default_factory=dict)
+    ratio_weight: dict[TreeShape, float] = field(default_factory=dict)
+
+
+class AcceptanceEstimator:
+    """Online acceptance by depth and sibling rank; see the module docstring."""
+
+    def __init__(
+        self,
+        prior: float = DEFAULTS["acceptance_prior"],
+        prior_weight: float = DEFAULTS["acceptance_prior_weight"],
+        decay: float = DEFAULTS["acceptance_decay"],
+        refresh_every: int = DEFAULT_REFRESH_EVERY,
+    ) -> None:
+        if not 0.0 < prior < 1.0 or prior_weight < 0.0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"bad estimator settings: {prior=}, {prior_weight=}, {decay=}")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.refresh_every = refresh_every
+        ranks = np.arange(MAX_TOPK, dtype=np.float64)
+        self.prior_hazards = np.broadcast_to(
+            prior * PRIOR_RANK_RATIO**ranks, (MAX_STEPS, MAX_TOPK)
+        ).copy()  # [MAX_STEPS, MAX_TOPK]
+        self._counts = _Counts()
+        self._pending = 0
+        self.revision = 0
+        self._hazards = self.prior_hazards
+        self._emitted: dict[TreeShape, float] = {}
+        self._model: dict[TreeShape, float] = {}
+        self._factors: dict[TreeShape, float] = {}
+        self._layers: dict[int, list[np.ndarray]] = {}
+        self._positional: np.ndarray | None = None
+        self._many: tuple[Sequence[TreeShape], np.ndarray] | None = None
+        self.refresh()
+
+    @classmethod
+    def from_config(cls, config: AdaTreeConfig, **kwargs: Any) -> AcceptanceEstimator:
+        return cls(
+            prior=config.acceptance_prior,
+            prior_weight=config.acceptance_prior_weight,
+            decay=config.acceptance_decay,
+            **kwargs,
+        )
+
+    def observe(self, shape: TreeShape, num_children: Any, accepted_rank: Any) -> None:
+        """Add one verify step's accepted paths (tensors or arrays on the CPU).
+
+        ``num_children``: ``[batch, steps]`` int, children the depth-d node of each request's
+        accepted path has in the verified tree (d = 0 the root; 0 past the path's end).
+        ``accepted_rank``: ``[batch, steps]`` int, draft sibling rank of the child accepted at
+        depth d + 1, or -1 if none (``AcceptedPathStats`` holds both).
+
+        A trial of rank r at depth d happened when ``num_children > r`` and ``accepted_rank``
+        is -1 or ``>= r``. The tree keeps a node's children as a prefix of their draft ranks
+        (EAGLE-2 keeps siblings by draft score), except that a score tie may keep a later rank
+        instead; so an accepted rank r counts ranks 0..r as tried even if ``num_children <= r``,
+        which keeps every hazard a probability.
+        """
+        nc = np.asarray(num_children, dtype=np.int64)  # [batch, steps]
+        ar = np.asarray(accepted_rank, dtype=np.int64)  # [batch, steps]
+        assert shape.speculative, "no speculation verifies no draft tokens"
+        assert nc.ndim == 2 and nc.shape == ar.shape, f"{nc.shape} vs {ar.shape}"
+        assert nc.shape[1] == shape.steps, f"expected {shape.steps} depths, got {nc.shape[1]}"
+        assert int(nc.max(initial=0)) <= shape.topk, f"more than topk {shape.topk} children"
+        assert int(ar.max(initial=-1)) < shape.topk, f"accepted rank >= topk {shape.topk}"
+        steps = shape.steps
+        # Ranks 0 .. tried-1 were tried at (request, depth).
+        tried = np.where(ar >= 0, ar + 1, nc)  # [batch, steps]
+        width = MAX_TOPK + 1
+        offsets = np.arange(steps) * width  # [steps]
+        hist = np.bincount((tried + offsets).ravel(), minlength=steps * width)
+        hist = hist.reshape(steps, width)  # [steps, MAX_TOPK + 1]: requests by ranks tried
+        # trials[d, r] = requests with more than r ranks tried at depth d
+        trials = np.cumsum(hist[:, :0:-1], axis=1)[:, ::-1]  # [steps, MAX_TOPK]
+        hit = ar >= 0  # [batch, steps]
+        cells = (ar + np.arange(steps) * MAX_TOPK)[hit]  # [accepted] flat (depth, rank) index
+        accepts = np.bincount(cells, minlength=steps * MAX_TOPK).reshape(steps, MAX_TOPK)
+        batch = nc.shape[0]
+        emitted = 1.0 + float(hit.sum()) / max(batch, 1)
+        # What the model predicted for this step, and how far to trust that prediction: both
+        # as of the last refresh, as the policy saw them.
+        weight = batch * self.confidence()
+        ratio = emitted / self.model_emitted(shape)
+        counts = self._counts
+        self._add(counts, shape, trials, accepts, emitted)
+        keep = 1.0 - min(1.0, FACTOR_SPEED * self.decay)
+        counts.ratio_sum[shape] = keep * counts.ratio_sum.get(shape, 0.0) + weight * ratio
+        counts.ratio_weight[shape] = keep * counts.ratio_weight.get(shape, 0.0) + weight
+        self._pending += 1
+        if self._pending >= self.refresh_every:
+            self.refresh()
+
+    def _add(
+        self,
+        counts: _Counts,
+        shape: TreeShape,
+        trials: np.ndarray,
+        accepts: np.ndarray,
+        emitted: float,
+    ) -> None:
+        steps = trials.shape[0]
+        seen = trials > 0  # [steps, MAX_TOPK]: only measured cells decay
+        keep = np.where(seen, 1.0 - self.decay, 1.0)
+        counts.trials[:steps] = counts.trials[:steps] * keep + trials
+        counts.accepts[:steps] = counts.accepts[:steps] * keep + accepts
+        counts.prior_keep[:steps] *= keep
+        old = counts.acceptance_length.get(shape)
+        counts.acceptance_length[shape] = (
+            emitted if old is None else (1.0 - self.decay) * old + self.decay * emitted
+        )
+
+    def refresh(self) -> None:
+        """Recompute the cached estimates from the counts; bumps ``revision``."""
+        self._hazards = self._posterior(self._counts, self.prior_hazards)
+        self._factors = self._shape_factors(self._counts)
+        wanted = list(self._emitted)
+        many = self._many
+        self._emitted = {}
+        self._model = {}
+        self._layers = {}
+        self._positional = None
+        self._many = None
+        for shape in wanted:
+            self.expected_emitted(shape)
+        if many is not None:
+            self.expected_emitted_many(many[0])
+        self._pending = 0
+        self.revision += 1
+
+    def _shape_factors(self, counts: _Counts) -> dict[TreeShape, float]:
+        """Per measured shape, its ratios' weighted mean shrunk towards 1, divided by that of
+        the shape with the most evidence, whose factor is thus 1."""
+        k = self.prior_weight
+        out = {}
+        for shape, w in counts.ratio_weight.items():
+            if w + k > 0:
+                out[shape] = (counts.ratio_sum[shape] + k) / (w + k)
+        if out:
+            reference = out[max(out, key=lambda s: counts.ratio_weight[s])]
+            out = {shape: f / reference for shape, f in out.items()}
+        return out
+
+    def _posterior(self, counts: _Counts, prior: np.ndarray) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus the prior's remaining
+        pseudo-observations (``prior_weight``, decayed as the cell's counts were)."""
+        w = self.prior_weight * counts.prior_keep  # [MAX_STEPS, MAX_TOPK]
+        trials = counts.trials + w
+        safe = np.where(trials > 0, trials, 1.0)
+        # A cell never measured under prior weight 0 has no data: it keeps the prior.
+        return np.where(trials > 0, (counts.accepts + w * prior) / safe, prior)
+
+    def hazards(self) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` hazard estimates as of the last refresh."""
+        return self._hazards.copy()
+
+    def positional_acceptance(self) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` chance that the rank-r child at depth d is the accepted one."""
+        h = self._hazards
+        survive = np.cumprod(1.0 - h, axis=1)  # [MAX_STEPS, MAX_TOPK]
+        return h * np.concatenate([np.ones((MAX_STEPS, 1)), survive[:, :-1]], axis=1)
+
+    def effective_observations(self) -> np.ndarray:
+        """``[MAX_STEPS, MAX_TOPK]`` decayed trial counts behind each estimate."""
+        return self._counts.trials.copy()
+
+    def confidence(self) -> float:
+        """Weight of data against the prior for the root's top-ranked child, in [0, 1)."""
+        n = float(self._counts.trials[0, 0])
+        return n / (n + self.prior_weight) if n + self.prior_weight > 0 else 0.0
+
+    def acceptance_length(self, shape: TreeShape) -> float | None:
+        """Recent measured emitted tokens per request for ``shape``, or None if never run."""
+        return self._counts.acceptance_length.get(shape)
+
+    def expected_emitted(self, shape: TreeShape) -> float:
+        """Expected emitted tokens per request (accepted + 1 bonus) of ``shape``: the
+        positional model's value times the shape's correction factor, clipped to
+        ``[1, steps + 1]``."""
+        cached = self._emitted.get(shape)
+        if cached is not None:
+            return cached
+        value = self.model_emitted(shape)
+        if shape.speculative:
+            value = min(max(value * self.correction(shape), 1.0), shape.steps + 1.0)
+        self._emitted[shape] = value
+        return value
+
+    def model_emitted(self, shape: TreeShape) -> float:
+        """The positional model's expected emitted tokens per request, uncorrected."""
+        cached = self._model.get(shape)
+        if cached is not None:
+            return cached
+        if not shape.speculative:
+            value = 1.0
+        else:
+            layers = self._tree_layers(shape.topk, shape.steps)
+            values = np.sort(np.concatenate(layers[: shape.steps]))[::-1]
+            value = 1.0 + float(values[: shape.num_draft_tokens - 1].sum())
+        self._model[shape] = value
+        return value
+
+    def correction(self, shape: TreeShape) -> float:
+        """The factor ``expected_emitted`` applies to ``model_emitted`` (before clipping); 1
+        for a shape never measured."""
+        return self._factors.get(shape, 1.0)
+
+    def expected_emitted_many(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` expected emitted tokens per request of each shape (read-only).
+
+        The array for the last ``shapes`` object asked for is kept and recomputed at each
+        refresh, so a policy asking every step with the same tuple pays one comparison.
+        """
+        many = self._many
+        if many is not None and many[0] is shapes:
+            return many[1]
+        values = np.array([self.expected_emitted(s) for s in shapes])
+        values.flags.writeable = False
+        self._many = (shapes, values)
+        return values
+
+    def _tree_layers(self, topk: int, steps: int) -> list[np.ndarray]:
+        """Candidate node values per layer for ``topk``, at least ``steps`` layers deep.
+
+        Shapes sharing ``topk`` share layers, so they are built once per refresh and extended.
+        """
+        layers = self._layers.setdefault(topk, [])
+        if len(layers) >= steps:
+            return layers
+        p = self._positional
+        if p is None:
+            p = self._positional = self.positional_acceptance()  # [MAX_STEPS, MAX_TOPK]
+        frontier = np.sort(layers[-1])[::-1][:topk] if layers else np.ones(1)
+        for depth in range(len(layers), steps):
+            children = np.outer(frontier, p[depth, :topk]).ravel()  # [len(frontier) * topk]
+            layers.append(children)
+            frontier = np.sort(children)[::-1][:topk]
+        return layers

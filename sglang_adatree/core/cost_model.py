@@ -1,0 +1,297 @@
+"""Step-time cost models: the protocol, the analytic model and the online residual correction.
+
+Two layers:
+
+* a step-time model maps feature rows (``features.FEATURE_NAMES``) to milliseconds:
+  ``AnalyticStepTime`` here (TurboSpec's linear model plus draft terms, usable from the first
+  step and fitted by least squares), ``xgb_cost.XGBoostStepTime`` for the trained one;
+* ``OnlineCostModel`` implements the ``CostModel`` protocol the policy uses: it wraps a
+  step-time model, optionally reads its predictions from a precomputed ``CostTable``, and
+  multiplies them by a per-shape residual correction so that measured step times pull the
+  predictions back when the model is off.
+
+The residual correction has two parts, both in ``log(measured_ms / predicted_ms)``:
+
+* a per-shape part: an exponential moving average, with weight ``residual_decay`` on the newest
+  step of that shape, of the step's ``log`` ratio less the drift (below), shrunk towards 0 (the
+  model's own view of the shape) as if the model were ``PRIOR_STEPS`` steps that agree with it.
+  The prior's weight decays like any old step's, so a shape measured often ends at its plain
+  moving average;
+* a drift common to every shape, for what moves all of them at once (the machine's speed: a
+  shared CPU, a GPU's clocks, neighbours): each step of a shape measured before moves it by
+  ``DRIFT_GAIN_RATIO * residual_decay`` times what the step says beyond that shape's own
+  average. A shape's first step says nothing about drift (it has no history to differ from), so
+  it only starts the shape's part.
+
+The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
+only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
+chain 1,1,2 went from 139 to 115 ms a step while it ran, the tree 2,2,4 kept its old prediction
+(186 ms; an exploring step measured it at 130) and the policy stayed on the chain for 200 steps
+where the tree was 6% better. A change the running shape sees splits between the drift and that
+shape's part in the ratio of their gains, so the drift takes about 80% of it; a cost that is
+the shape's own (a tree dearer than the model says) shows up as such whenever other shapes run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from scipy.optimize import nnls
+
+from sglang_adatree.core.features import COLUMN, NUM_FEATURES, StepFeatures, feature_matrix
+from sglang_adatree.core.shapes import TreeShape
+
+if TYPE_CHECKING:
+    from sglang_adatree.core.cost_table import CostTable
+
+# Predictions are clamped here: a fitted linear model can extrapolate to zero or below, and the
+# policy divides by step time.
+MIN_STEP_MS = 0.01
+
+# How many measured steps the step-time model's own prediction counts for in a shape's
+# correction. A plain moving average started at 0 moves by ``residual_decay`` (0.05) per step:
+# on the CPU, a refitted model predicting a tree at 27 ms that measured 281 ms still predicted it
+# at 69 ms after ten runs of it (164 ms with this prior). With 4, one step moves a correction 21%
+# of the way (a single noisy step cannot swing it), ten steps 77%, twenty 90%.
+PRIOR_STEPS = 4.0
+
+# The drift's gain per step, as a multiple of ``residual_decay`` (capped at 1): faster than a
+# shape's own part, so that the drift, not the running shape's part, takes most of a change
+# the running shape sees (4: about 80%), yet averaging a few steps' noise (0.2 at 0.05).
+DRIFT_GAIN_RATIO = 4.0
+
+
+class CostModel(Protocol):
+    """Predicted step time of a batch under a shape, corrected online by measurements."""
+
+    def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float: ...
+
+    def predict_ms_many(
+        self, features: StepFeatures, shapes: Sequence[TreeShape]
+    ) -> np.ndarray: ...  # [len(shapes)] ms
+
+    def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None: ...
+
+
+class StepTimeModel(Protocol):
+    """A fixed regressor from feature rows to step time; no online state."""
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray: ...  # [rows, NUM_FEATURES] -> [rows]
+
+
+@dataclass(frozen=True)
+class AnalyticStepTime:
+    """``ms = c_fixed + c_bs*B + c_compute*batched_tokens + c_kv*kv_tokens + c_spec*[spec]
+    + c_draft_pass*steps + c_draft_token*draft_tokens``.
+
+    ``batched_tokens`` = verified tokens (what the target computes),
+    ``kv_tokens`` = sum of context lengths (what attention reads). The defaults are the scale
+    of an 8B target with a one-layer draft on an H100-class GPU: a 4 ms floor, 0.02 ms per
+    computed token, 0.4 ms per draft pass. Fitting replaces them with measurements.
+    """
+
+    c_fixed: float = 4.0
+    c_bs: float = 0.01
+    c_compute: float = 0.02
+    c_kv: float = 2.0e-5
+    c_spec: float = 0.3
+    c_draft_pass: float = 0.4
+    c_draft_token: float = 0.002
+
+    @staticmethod
+    def design_matrix(x: np.ndarray) -> np.ndarray:
+        """``[rows, 7]`` regressors, in the order of the coefficients."""
+        assert x.ndim == 2 and x.shape[1] == NUM_FEATURES, f"bad feature matrix {x.shape}"
+        c = COLUMN
+        return np.stack(
+            [
+                np.ones(x.shape[0]),
+                x[:, c["batch_size"]],
+                x[:, c["verified_tokens"]],
+                x[:, c["sum_context_len"]],
+                x[:, c["speculative"]],
+                x[:, c["steps"]],
+                x[:, c["draft_tokens"]],
+            ],
+            axis=1,
+        )
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray:
+        """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``."""
+        return self.design_matrix(x) @ np.array(astuple(self))
+
+    @classmethod
+    def fit(cls, x: np.ndarray, measured_ms: np.ndarray) -> AnalyticStepTime:
+        """Least squares on relative error with non-negative coefficients.
+
+        Rows are scaled by ``1 / measured_ms`` so a 1 ms miss on a 5 ms step weighs as much
+        as 10 ms on a 50 ms step: the policy compares ratios, not differences.
+        """
+        y = np.asarray(measured_ms, dtype=np.float64)  # [rows]
+        assert y.ndim == 1 and y.shape[0] == x.shape[0] and np.all(y > 0), "bad step times"
+        a = cls.design_matrix(x) / y[:, None]  # [rows, 7]
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)  # column scaling for conditioning
+        coef, _ = nnls(a / scale, np.ones_like(y))
+        return cls(*(float(v) for v in coef / scale))
+
+    def to_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """Mean absolute percentage error as a fraction (0.05 = 5%)."""
+    measured = np.asarray(measured, dtype=np.float64)
+    return float(np.mean(np.abs(np.asarray(predicted) - measured) / measured))
+
+
+class ResidualCorrection:
+    """Per-shape shrunk EMAs of ``log(measured / predicted)`` and a drift common to all
+    shapes; see the module docstring."""
+
+    def __init__(self, decay: float, prior_steps: float = PRIOR_STEPS) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"residual decay must be in (0, 1], got {decay}")
+        if prior_steps < 0:
+            raise ValueError(f"prior steps must be >= 0, got {prior_steps}")
+        self.decay = decay
+        self.drift_gain = min(1.0, DRIFT_GAIN_RATIO * decay)
+        self.prior_steps = prior_steps
+        self._drift = 0.0  # log factor common to every shape
+        self._sum: dict[TreeShape, float] = {}  # EMA of decay * (log ratio - drift), from 0
+        self._log: dict[TreeShape, float] = {}  # the shape's part: _sum over the weights
+        self._measured: dict[TreeShape, int] = {}
+        # The factors of the last shape tuple asked for, kept up to date in place: the policy
+        # asks for the same candidate tuple every step.
+        self._cached_shapes: Sequence[TreeShape] | None = None
+        self._cached_index: dict[TreeShape, int] = {}
+        self._cached_parts = np.ones(0)  # [shapes] exp(shape's part)
+        self._cached_factors = np.ones(0)  # [shapes] exp(drift + shape's part)
+
+    def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
+        # Scalar arithmetic: this runs on every step, in the scheduler's thread.
+        ratio = math.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
+        d = self.decay
+        n = self._measured.get(shape, 0)
+        total = self._sum.get(shape, 0.0)
+        drift = self._drift
+        kept = (1.0 - d) ** n  # weight the moving average still gives its zero start
+        if n:
+            # The shape's own average (unshrunk): what this step says beyond it is drift.
+            drift += self.drift_gain * (ratio - drift - total / (1.0 - kept))
+            self._drift = drift
+        total = (1.0 - d) * total + d * (ratio - drift)
+        n += 1
+        old = kept * (1.0 - d)  # the same weight after this step
+        part = total / (1.0 - old + self.prior_steps * d * old)
+        self._sum[shape] = total
+        self._log[shape] = part
+        self._measured[shape] = n
+        i = self._cached_index.get(shape)
+        if i is not None:
+            self._cached_parts[i] = math.exp(part)
+        if self._cached_shapes is not None:
+            np.multiply(self._cached_parts, math.exp(drift), out=self._cached_factors)
+
+    @property
+    def drift_factor(self) -> float:
+        """The multiplicative correction common to every shape."""
+        return math.exp(self._drift)
+
+    def factor(self, shape: TreeShape) -> float:
+        return math.exp(self._drift + self._log.get(shape, 0.0))
+
+    def factors(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` multiplicative corrections."""
+        if shapes is not self._cached_shapes:
+            self._cached_shapes = shapes
+            self._cached_index = {s: i for i, s in enumerate(shapes)}
+            self._cached_parts = np.exp([self._log.get(s, 0.0) for s in shapes])
+            self._cached_factors = self._cached_parts * math.exp(self._drift)
+        return self._cached_factors
+
+    def measured(self, shape: TreeShape) -> int:
+        """Steps of ``shape`` whose time was measured."""
+        return self._measured.get(shape, 0)
+
+
+class OnlineCostModel:
+    """The ``CostModel`` the policy uses: step-time model, optional table, residual correction.
+
+    With a ``table``, predictions for the table's own shape tuple and batches inside its grid
+    are table lookups (microseconds); anything else is predicted directly by ``step_time``.
+    """
+
+    def __init__(
+        self,
+        step_time: StepTimeModel,
+        residual_decay: float,
+        table: CostTable | None = None,
+    ) -> None:
+        self.step_time = step_time
+        self.table = table
+        self.residual = ResidualCorrection(residual_decay)
+
+    def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` uncorrected predictions."""
+        table = self.table
+        if table is not None and (shapes is table.shapes or shapes == table.shapes):
+            row = table.lookup(features)
+            if row is not None:
+                return row
+        return np.maximum(
+            self.step_time.predict_matrix(feature_matrix(features, shapes)), MIN_STEP_MS
+        )
+
+    def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` corrected step times in ms."""
+        return self.raw_ms_many(features, shapes) * self.residual.factors(shapes)
+
+    def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
+        return float(self._raw_one(features, shape)) * self.residual.factor(shape)
+
+    def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
+        """Pull the prediction for ``shape`` towards ``measured_ms``."""
+        self.residual.update(shape, measured_ms, self._raw_one(features, shape))
+
+    def replay(
+        self,
+        x: np.ndarray,  # [rows, NUM_FEATURES], from ``features.feature_rows``
+        shapes: Sequence[TreeShape],
+        measured_ms: np.ndarray,  # [rows]
+    ) -> None:
+        """Observe measured steps, oldest first, as if this model had served them.
+
+        A model that replaces another (a refit, a trained policy version) then starts with the
+        corrections the measurements imply instead of none: otherwise every shape the step-time
+        model gets wrong is chosen again on the same error until it has run for a while, after
+        every refit (``refit.MeasuredSteps`` refits as soon as every candidate was measured,
+        then at doubling intervals up to every 128 measured steps).
+        """
+        if not (len(x) == len(shapes) == len(measured_ms)):
+            raise ValueError("replay needs one shape and one time per feature row")
+        if not len(x):
+            return
+        # One matrix prediction for all rows (a row at a time took 0.3 s for 4096 rows, in a
+        # thread beside the scheduler's). Against the step-time model itself, not the table,
+        # which interpolates the same model.
+        raw = self.step_time.predict_matrix(x)  # [rows]
+        # In order, a row at a time: the drift links every shape's rows (4096 rows take a
+        # few ms).
+        update = self.residual.update
+        times = np.asarray(measured_ms, dtype=np.float64).tolist()
+        for shape, ms, predicted in zip(shapes, times, raw.tolist(), strict=True):
+            update(shape, ms, predicted)
+
+    def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
+        table = self.table
+        if table is not None:
+            i = table.index.get(shape)
+            if i is not None:
+                row = table.lookup(features)
+                if row is not None:
+                    return float(row[i])
+        return float(self.raw_ms_many(features, (shape,))[0])

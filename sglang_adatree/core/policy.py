@@ -1,0 +1,216 @@
+"""decide(): the draft-tree shape with the best predicted goodput for this decode step.
+
+Goodput of a candidate shape = ``batch_size * expected emitted tokens per request / predicted
+step time``. Each step, in order of precedence:
+
+1. pin: an operator's pinned shape for this batch size wins outright (``DecisionSource.PIN``).
+   Pins are checked in the order given (the store lists them newest first); the first that
+   covers the batch size wins.
+2. warm-up: the first ``warmup_steps`` decisions cycle through the candidates in shape order so
+   every shape gets measured (``WARMUP``).
+3. exploration: on a deterministic ``explore_fraction`` of steps (a phase drawn from
+   ``explore_seed``, then evenly spaced by the step counter) the candidate with the fewest
+   measured steps is run (``EXPLORE``), ties broken by shape order. Only candidates whose
+   predicted goodput is within ``explore_max_loss`` (relative) of the best are eligible, so an
+   exploring step costs at most that share of a step: measured on a CPU, unbounded exploration
+   spent 2% of the steps on trees two to four times slower than plain decoding, 3-5% of the
+   throughput. A shape predicted that far off would have to be mispredicted by as much to win.
+4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
+   ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
+   ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``.
+
+The step controller adds one source of its own, ``CATCH_UP`` (``controller.StepController``): a
+step without speculation that brings the draft up to date before a speculative decision runs.
+
+Ties go to the earlier shape in the candidate order. Nothing reads the clock or unseeded
+randomness: given the same features and the same observation history, every tensor-parallel
+rank decides the same shape, provided each rank is fed the same measured step times (measure
+on one rank and broadcast).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.cost_model import CostModel
+from sglang_adatree.core.features import StepFeatures
+from sglang_adatree.core.shapes import TreeShape
+
+
+class DecisionSource(StrEnum):
+    """Why a step ran its shape; the values are the telemetry column's and the charts' words."""
+
+    PIN = "pin"
+    MODEL = "model"
+    FALLBACK = "fallback"
+    EXPLORE = "explore"
+    WARMUP = "warmup"
+    # A step without speculation that runs the draft's extend, so that the speculative decision
+    # after it drafts from a caught-up draft (``controller.StepController``).
+    CATCH_UP = "catch-up"
+
+    @property
+    def teaches_cost_model(self) -> bool:
+        """Whether a step of this source measures the price of its shape. A catch-up step costs
+        no speculation plus the draft's extend: taught as no speculation's price, it would
+        make plain decoding look dearer."""
+        return self is not DecisionSource.CATCH_UP
+
+
+# Sources whose steps no cost model learns from: the online refit, retrain and the
+# dashboard's cost page all leave them out (``telemetry.learning``).
+UNPRICED_SOURCES: tuple[DecisionSource, ...] = tuple(
+    s for s in DecisionSource if not s.teaches_cost_model
+)
+
+
+def teaches_cost_model(source: DecisionSource | str, measured_ms: float | None) -> bool:
+    """Whether a finished step may teach a cost model: a source that prices its shape and a
+    measured step time."""
+    return DecisionSource(source).teaches_cost_model and measured_ms is not None and measured_ms > 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The shape for one decode step, why it was chosen, and what the policy expected."""
+
+    shape: TreeShape
+    source: DecisionSource
+    predicted_ms: float  # step time
+    predicted_emitted: float  # emitted tokens per request
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Run ``shape`` for batches of ``min_batch_size .. max_batch_size`` (None: unbounded)."""
+
+    shape: TreeShape
+    min_batch_size: int | None = None
+    max_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        lo, hi = self.min_batch_size, self.max_batch_size
+        if (lo is not None and lo < 1) or (hi is not None and hi < 1):
+            raise ValueError(f"pin batch sizes must be >= 1: {self}")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"pin min_batch_size {lo} > max_batch_size {hi}")
+
+    def covers(self, batch_size: int) -> bool:
+        lo, hi = self.min_batch_size, self.max_batch_size
+        return (lo is None or batch_size >= lo) and (hi is None or batch_size <= hi)
+
+
+class Policy:
+    """Chooses a shape per decode step; see the module docstring."""
+
+    def __init__(
+        self,
+        config: AdaTreeConfig,
+        cost_model: CostModel,
+        acceptance: AcceptanceEstimator,
+        policy_version: int | None = None,
+    ) -> None:
+        self.config = config
+        self.candidates: tuple[TreeShape, ...] = tuple(config.candidate_shapes)
+        self._index = {s: i for i, s in enumerate(self.candidates)}
+        self.cost_model = cost_model
+        self.acceptance = acceptance
+        self.policy_version = policy_version
+        self.pins: tuple[Pin, ...] = ()
+        self.step = 0
+        self.current: TreeShape | None = None
+        self.measured = np.zeros(len(self.candidates), dtype=np.int64)  # steps observed
+        # Dividing speculative goodput by (1 + margin) makes no speculation win unless beaten.
+        self._margin = np.array(
+            [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
+        )
+        self._explore_phase = random.Random(config.explore_seed).random()
+        self._emitted_seen: np.ndarray | None = None
+        self._emitted_margin = np.ones(len(self.candidates))
+
+    def set_pins(self, pins: Sequence[Pin]) -> None:
+        """Replace the pins, in precedence order; each pinned shape must be a candidate (its
+        runtime state is built at start-up)."""
+        for pin in pins:
+            if pin.shape not in self._index:
+                raise ValueError(f"pinned shape {pin.shape} is not a candidate shape")
+        self.pins = tuple(pins)
+
+    def set_cost_model(self, cost_model: CostModel, policy_version: int | None) -> None:
+        """Swap in a newly activated policy version (None: back to the analytic fallback)."""
+        self.cost_model = cost_model
+        self.policy_version = policy_version
+
+    def decide(self, features: StepFeatures) -> Decision:
+        """The shape for this step; call once per decode step, on every rank."""
+        step = self.step
+        self.step += 1
+        times = self.cost_model.predict_ms_many(features, self.candidates)  # [candidates] ms
+        emitted = self.acceptance.expected_emitted_many(self.candidates)
+        for pin in self.pins:
+            if pin.covers(features.batch_size):
+                return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
+        warmup = self.config.warmup_steps
+        if step < warmup:
+            return self._decision(
+                self.candidates[step % len(self.candidates)], DecisionSource.WARMUP, times, emitted
+            )
+        if self._explores(step - warmup):
+            explored = self._explored(times, emitted)
+            return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
+        if emitted is not self._emitted_seen:
+            self._emitted_seen = emitted
+            self._emitted_margin = emitted * self._margin
+        # Goodput up to the batch size, which is common to all candidates.
+        score = self._emitted_margin / times  # [candidates]
+        best = int(np.argmax(score))
+        current = self._index.get(self.current) if self.current is not None else None
+        if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
+            best = current
+        self.current = self.candidates[best]
+        source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
+        return self._decision(self.current, source, times, emitted)
+
+    def observe(
+        self,
+        features: StepFeatures,
+        shape: TreeShape,
+        measured_ms: float,
+        stats: AcceptedPathStats | None = None,
+    ) -> None:
+        """Feed back one verified step: its measured time and, if it speculated, its paths."""
+        self.cost_model.observe(features, shape, measured_ms)
+        if stats is not None and shape.speculative:
+            self.acceptance.observe(shape, stats.num_children, stats.accepted_rank)
+        i = self._index.get(shape)
+        if i is not None:
+            self.measured[i] += 1
+
+    def _explores(self, k: int) -> bool:
+        """True on about ``explore_fraction`` of steps, evenly spaced after the seeded phase."""
+        f = self.config.explore_fraction
+        return f > 0 and math.floor(k * f + self._explore_phase) > math.floor(
+            (k - 1) * f + self._explore_phase
+        )
+
+    def _explored(self, times: np.ndarray, emitted: np.ndarray) -> TreeShape:
+        """The least-measured candidate among those predicted to lose at most
+        ``explore_max_loss`` of the best goodput (the best itself always qualifies)."""
+        goodput = emitted / times  # [candidates], per request: the batch size is common
+        eligible = goodput >= (1.0 - self.config.explore_max_loss) * goodput.max()
+        counts = np.where(eligible, self.measured, np.iinfo(np.int64).max)
+        return self.candidates[int(np.argmin(counts))]
+
+    def _decision(
+        self, shape: TreeShape, source: DecisionSource, times: np.ndarray, emitted: np.ndarray
+    ) -> Decision:
+        i = self._index[shape]
+        return Decision(shape, source, float(times[i]), float(emitted[i]))

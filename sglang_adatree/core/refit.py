@@ -1,0 +1,128 @@
+"""The steps this server measured, and the cost models built from them.
+
+TurboSpec's closed loop: without a trained policy version the step-time model is the analytic
+one refitted on the steps this deployment measured, so the fallback learns its hardware. A model
+that replaces another (a refit, or a newly activated XGBoost version) first replays the
+measured steps through its residual correction, so it starts with the corrections the
+measurements imply instead of none: a fresh correction would price every shape the bare model
+gets wrong by that error until the shape ran again.
+
+Which steps count is ``policy.teaches_cost_model``: a catch-up step, or one without a measured
+time, teaches nothing. The step controller adds the others here as they finish.
+
+Refit schedule: an analytic fit needs measurements of more than one shape to separate its terms.
+The first refit comes once every candidate was measured (the warm-up's first round) and there
+are ``FIRST_REFIT_ROWS`` measured steps, about twice the fit's 7 terms, or else after
+``MIN_REFIT_ROWS`` (no warm-up, or pins hold the server on few shapes). Until then the default
+model prices the steps (a GPU's costs) with the shape's own few measurements shrunk towards it
+(``cost_model.PRIOR_STEPS``), which on a CPU is far off: the first refit should come as soon as
+the fit is determined. Later ones come each time the measured steps have doubled, then every
+``REFIT_EVERY_ROWS``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, StepTimeModel, mape
+from sglang_adatree.core.cost_table import CostTable, TableGrid
+from sglang_adatree.core.features import GraphPadding, StepFeatures, feature_rows
+from sglang_adatree.core.shapes import TreeShape
+
+logger = logging.getLogger(__name__)
+
+FIRST_REFIT_ROWS = 16
+MIN_REFIT_ROWS = 64
+REFIT_EVERY_ROWS = 128
+HISTORY_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One finished step a cost model may learn from."""
+
+    features: StepFeatures
+    shape: TreeShape
+    measured_ms: float
+
+
+class MeasuredSteps:
+    """The newest ``HISTORY_ROWS`` measured steps, and the models fitted or replayed on them.
+
+    ``add`` runs on the decode loop; ``refit`` and ``tabulate`` on a background thread (or
+    inline, in a simulation). A snapshot of the history is one C-level copy of the deque, safe
+    against a concurrent ``add``.
+    """
+
+    def __init__(
+        self,
+        candidates: tuple[TreeShape, ...],
+        residual_decay: float,
+        padding: GraphPadding,
+        max_batch_size: int = 256,
+    ) -> None:
+        self.candidates = candidates
+        self.residual_decay = residual_decay
+        self.padding = padding
+        self.grid = TableGrid(max_batch_size=max(1, min(max_batch_size, 256)))
+        self._rows: collections.deque[MeasuredStep] = collections.deque(maxlen=HISTORY_ROWS)
+        self.total = 0  # steps ever added
+        self._last_refit_total = 0
+        self.last_refit_mape: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
+        self._rows.append(MeasuredStep(features, shape, measured_ms))
+        self.total += 1
+
+    def matrix(self) -> tuple[np.ndarray, list[TreeShape], np.ndarray]:
+        """A snapshot as (feature rows ``[rows, NUM_FEATURES]``, shapes, ms ``[rows]``)."""
+        rows = list(self._rows)
+        shapes = [m.shape for m in rows]
+        x = feature_rows([m.features for m in rows], shapes)
+        return x, shapes, np.array([m.measured_ms for m in rows], dtype=np.float64)
+
+    def refit_due(self) -> bool:
+        """Whether the schedule in the module docstring calls for a refit now."""
+        done = self._last_refit_total
+        if done:
+            return self.total - done >= min(done, REFIT_EVERY_ROWS)
+        covered = {m.shape for m in list(self._rows)}.issuperset(self.candidates)
+        return len(self._rows) >= (FIRST_REFIT_ROWS if covered else MIN_REFIT_ROWS)
+
+    def refit(self, force: bool = False) -> OnlineCostModel | None:
+        """The analytic model refitted on the measured steps, with their corrections replayed;
+        None when not due. ``force``: now, and when the fit is not determined (too few rows or
+        shapes) the default analytic model with the corrections replayed."""
+        x, shapes, y = self.matrix()
+        determined = len(y) >= FIRST_REFIT_ROWS and len(set(shapes)) >= 2
+        if not force and not (determined and self.refit_due()):
+            return None
+        self._last_refit_total = self.total
+        fitted = AnalyticStepTime()
+        if determined:
+            try:
+                fitted = AnalyticStepTime.fit(x, y)
+            except (ValueError, np.linalg.LinAlgError) as exc:
+                logger.warning("adatree: analytic refit failed: %s", exc)
+                if not force:
+                    return None
+            else:
+                self.last_refit_mape = mape(fitted.predict_matrix(x), y)
+        cost_model = OnlineCostModel(fitted, self.residual_decay)
+        cost_model.replay(x, shapes, y)
+        return cost_model
+
+    def tabulate(self, step_time: StepTimeModel) -> OnlineCostModel:
+        """``step_time`` (a trained version) tabulated over the candidates, with the measured
+        steps' corrections replayed; seconds for an XGBoost model, so off the decode loop."""
+        table = CostTable.build(step_time, self.candidates, self.grid, self.padding)
+        cost_model = OnlineCostModel(step_time, self.residual_decay, table)
+        cost_model.replay(*self.matrix())
+        return cost_model

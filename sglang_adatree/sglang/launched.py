@@ -1,0 +1,54 @@
+"""A launched decode step travels on SGLang's result object to the step that completes it.
+
+The worker attaches a ``LaunchedStep`` (its ticket, timing and accepted paths) to the
+``GenerationBatchResult`` it returns; when the scheduler's result processor has that result's
+accept counts on the CPU, ``finish_on_resolved_tokens`` (a hook the plug-in registers) hands
+both to the worker. No queue pairs results with steps, so a result that never comes back
+leaves no other step with the wrong record. Light to import: the plug-in registers the hook in
+every SGLang process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.controller import StepTicket
+
+# The attribute of SGLang's ``GenerationBatchResult`` that carries a launched step to its
+# completion.
+LAUNCHED_ATTR = "adatree_launched"
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A launched decode step on rank 0, riding on its result until the accept counts are
+    on the CPU."""
+
+    ticket: StepTicket
+    started: float  # perf_counter seconds
+    finished: float | None  # perf_counter seconds; None on GPUs (read the events)
+    start_event: Any  # device events bracketing the step on GPUs; None on CPUs
+    end_event: Any
+    paths: AcceptedPathStats | None  # host copies; None without speculation
+
+    def measured_ms(self) -> float:
+        if self.end_event is not None:
+            # The scheduler copied this step's results to the host, so the step is done.
+            return float(self.start_event.elapsed_time(self.end_event))
+        assert self.finished is not None
+        return (self.finished - self.started) * 1000.0
+
+
+def finish_on_resolved_tokens(
+    ret: Any, processor: Any, result: Any, batch: Any, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER hook on the scheduler's ``_resolve_spec_v2_tokens(result, batch)``: the result's
+    accept counts are on the CPU now; finish the step it carries, if adatree launched it."""
+    launched = getattr(result, LAUNCHED_ATTR, None)
+    worker = getattr(processor, "model_worker", None)
+    if launched is None or not hasattr(worker, "finish_launched_step"):
+        return None
+    worker.finish_launched_step(launched, result.num_correct_drafts_per_req_cpu)
+    return None

@@ -1,0 +1,125 @@
+"""The control poller: operator control and new cost models, handed to the step controller.
+
+A background thread of the serving rank 0. At start and then every ``control_poll_s`` it reads
+the active pins and policy version from the store (``telemetry.control``), and hands the step
+controller one ``ControlUpdate`` when something changed:
+
+* pins: the active pins of candidate shapes, newest first;
+* a newly activated policy version: its XGBoost model loaded and tabulated here (seconds, never
+  on the decode loop), corrected by the steps this server measured;
+* no version active: the analytic model refitted on this server's measured steps on the
+  schedule of ``core.refit`` (TurboSpec's closed loop); after a rollback to no version, at once.
+
+A database that cannot be read leaves serving as it is; the poller logs once when reading fails
+and once when it works again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sglang_adatree.core.controller import ControlUpdate, StepController
+from sglang_adatree.core.policy import Pin
+from sglang_adatree.core.xgb_cost import ArtifactError, XGBoostStepTime
+from sglang_adatree.telemetry.control import read_control_state
+from sglang_adatree.telemetry.store import display_url
+
+logger = logging.getLogger(__name__)
+
+
+class ControlPoller:
+    """Polls ``db_url`` for ``controller``; see the module docstring."""
+
+    def __init__(
+        self, controller: StepController, db_url: str, poll_s: float, *, start: bool = True
+    ) -> None:
+        self.controller = controller
+        self.db_url = db_url
+        self.poll_s = poll_s
+        self._known_version: int | None = None
+        self._failed_version: int | None = None
+        self._pins: tuple[Pin, ...] = ()
+        self._down_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="adatree-control", daemon=True)
+            self._thread.start()
+
+    def poll(self) -> ControlUpdate | None:
+        """Read the store once and hand the controller what changed (also returned)."""
+        update = self._read()
+        if update is None and self._known_version is None:
+            update = self.controller.refit()
+        if update is not None:
+            self.controller.apply(update)
+        return update
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        # Read first, then wait: a pin or policy version set before the server started applies
+        # from its first decode steps, not a poll interval later.
+        while True:
+            try:
+                self.poll()
+            except Exception:  # a bug here must not end control for the server's life
+                logger.exception("adatree: control poll failed")
+            if self._stop.wait(self.poll_s):
+                return
+
+    def _read(self) -> ControlUpdate | None:
+        """The store's pins and policy version as an update, or None if nothing changed."""
+        try:
+            state = read_control_state(self.db_url, self._known_version)
+        except Exception as exc:  # the database may be down; serving goes on as it is
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                logger.warning(
+                    "adatree: cannot read pins / policy versions from %s (%s); serving goes on "
+                    "with the current ones",
+                    display_url(self.db_url),
+                    str(exc).splitlines()[0],
+                )
+            return None
+        if self._down_since is not None:
+            logger.warning(
+                "adatree: pins / policy versions readable again after %.1f s",
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None
+        candidates = self.controller.candidate_shapes
+        pins = tuple(r.pin for r in state.pins if r.shape in candidates)
+        new_pins = pins if pins != self._pins else None
+        self._pins = pins
+        update = None
+        if state.policy is not None and state.policy.version != self._failed_version:
+            version = state.policy.version
+            try:
+                model = XGBoostStepTime.from_bytes(state.policy.artifact)
+                update = self.controller.tabulate(model, version)
+                self._known_version = version
+            except (ArtifactError, ValueError) as exc:
+                logger.error(
+                    "adatree: policy version %s cannot be loaded (%s); keeping the current "
+                    "cost model",
+                    version,
+                    exc,
+                )
+                self._failed_version = version
+        elif state.active_policy_version is None and self._known_version is not None:
+            # Rolled back to no trained version: the refitted analytic model again, now.
+            self._known_version = None
+            update = self.controller.refit(force=True)
+        if new_pins is None:
+            return update
+        if update is None:
+            return ControlUpdate(pins=new_pins)
+        return ControlUpdate(
+            new_pins, update.cost_model, update.policy_version, update.model_source
+        )

@@ -1,0 +1,260 @@
+"""Paired comparison: configurations served side by side, each prompt sent to all in turn.
+
+``adatree bench`` runs one server at a time, so a drift of a shared machine between two
+servers' turns (another job starting, the CPU clocking down) lands on one configuration only.
+Here every configuration's server is up at once, each idle between its own requests
+(``--sleep-on-idle`` on a CPU), and the requests go one at a time: prompt 1 to A, B, C, prompt
+2 to C, B, A, and so on (the order reverses every prompt, so neither end of it is favoured).
+Each request produces exactly ``new_tokens`` tokens (EOS ignored), greedily.
+
+Per configuration: the median TPOT and TTFT over prompts, the acceptance length (tokens after
+the prefill's first / SGLang's verify steps: 1.0 for adatree's steps without speculation), and
+the paired figure: the median over prompts of its TPOT divided by the reference configuration's
+(the first given) for the same prompt, with the quartiles of those ratios and the number of
+prompts it was faster on. Every answer is compared with the reference's for the same prompt:
+greedy speculative decoding is lossless, so they must be identical, and the comparison says
+where they are not.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from sglang_adatree.tools.bench.client import stream_generate
+from sglang_adatree.tools.bench.configurations import Configuration, Models, ServerSettings
+from sglang_adatree.tools.bench.databases import database_url, prepare_database
+from sglang_adatree.tools.bench.runner import ChatFormatter, warm_up
+from sglang_adatree.tools.bench.servers import Server, free_port, running_server
+from sglang_adatree.tools.bench.workloads import WARMUP_PROMPTS, Workload
+
+
+@dataclass(frozen=True)
+class PairedPlan:
+    """Everything one ``adatree compare`` invocation runs."""
+
+    models: Models
+    settings: ServerSettings
+    configurations: tuple[Configuration, ...]  # the first is the reference
+    workload: Workload
+    new_tokens: int
+    work_dir: Path
+    warmup_requests: int = 2
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 1800.0
+    chat_template: bool = True
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request of one configuration for one prompt."""
+
+    prompt: int  # index into the workload
+    configuration: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    output_tokens: int
+    spec_verify_ct: int
+    text: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ConfigSummary:
+    """One configuration over all prompts; ratios are paired with the reference's."""
+
+    name: str
+    label: str
+    prompts: int  # prompts with a usable TPOT here and at the reference
+    errors: int
+    tpot_ms: float | None  # medians over prompts
+    ttft_ms: float | None
+    tpot_ratio: float | None  # median of TPOT / reference TPOT, prompt by prompt
+    tpot_ratio_q1: float | None
+    tpot_ratio_q3: float | None
+    faster: int  # prompts on which its TPOT was below the reference's
+    accept_len: float | None  # tokens after the first / verify steps; None: SGLang counted none
+    identical: int  # answers identical to the reference's
+    compared: int  # answers compared with the reference's (both without error)
+
+
+def request_order(prompt: int, names: Sequence[str]) -> list[str]:
+    """The configurations' order for prompt ``prompt``: as given, reversed every other one."""
+    return list(names) if prompt % 2 == 0 else list(reversed(names))
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (None, None)
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def summarize(
+    configurations: Sequence[tuple[str, str]], samples: Sequence[Sample]
+) -> list[ConfigSummary]:
+    """Per ``(name, label)`` in order, the first being the reference; see the module docstring."""
+    by = {(s.configuration, s.prompt): s for s in samples}
+    prompts = sorted({s.prompt for s in samples})
+    reference = configurations[0][0]
+    out = []
+    for name, label in configurations:
+        own = [by[(name, p)] for p in prompts if (name, p) in by]
+        ok = [s for s in own if s.error is None]
+        ratios, faster, identical, compared = [], 0, 0, 0
+        for s in ok:
+            ref = by.get((reference, s.prompt))
+            if ref is None or ref.error is not None:
+                continue
+            compared += 1
+            identical += s.text == ref.text
+            if s.tpot_ms is not None and ref.tpot_ms is not None and ref.tpot_ms > 0:
+                ratios.append(s.tpot_ms / ref.tpot_ms)
+                faster += s.tpot_ms < ref.tpot_ms
+        verify = sum(s.spec_verify_ct for s in ok)
+        q1, q3 = _quartiles(sorted(ratios))
+        out.append(
+            ConfigSummary(
+                name=name,
+                label=label,
+                prompts=len(ratios),
+                errors=len(own) - len(ok),
+                tpot_ms=_median([s.tpot_ms for s in ok if s.tpot_ms is not None]),
+                ttft_ms=_median([s.ttft_ms for s in ok if s.ttft_ms is not None]),
+                tpot_ratio=_median(ratios),
+                tpot_ratio_q1=q1,
+                tpot_ratio_q3=q3,
+                faster=faster,
+                # The prefill makes the first token; each verify step emits the rest.
+                accept_len=sum(s.output_tokens - 1 for s in ok) / verify if verify else None,
+                identical=identical,
+                compared=compared,
+            )
+        )
+    return out
+
+
+def table_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
+    """A plain-text table; the ratio column reads "time per token against the reference"."""
+    reference = summaries[0].name
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    header = (
+        f"{'configuration':<22} {'TPOT ms':>8} {'TTFT ms':>8} {'TPOT / ' + reference:>16} "
+        f"{'quartiles':>13} {'faster':>7} {'accept':>7} {'same text':>10} {'errors':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        quartiles = (
+            "-"
+            if s.tpot_ratio_q1 is None
+            else f"{s.tpot_ratio_q1:.2f}-{num(s.tpot_ratio_q3, '.2f')}"
+        )
+        lines.append(
+            f"{s.name:<22} {num(s.tpot_ms, '.1f'):>8} {num(s.ttft_ms, '.0f'):>8} "
+            f"{num(s.tpot_ratio, '.3f') + 'x':>16} {quartiles:>13} "
+            f"{f'{s.faster}/{s.prompts}':>7} {num(s.accept_len, '.2f'):>7} "
+            f"{f'{s.identical}/{s.compared}':>10} {s.errors:>6}"
+        )
+    return lines
+
+
+def run_paired(plan: PairedPlan, progress: bool = True) -> list[Sample]:
+    """Start every configuration's server, warm each up, then send the prompts in turn.
+
+    Raises ``ServerError`` when a server does not start or its warm-up fails; every server is
+    stopped on every way out, Ctrl-C included.
+    """
+    fmt = ChatFormatter(plan.models.target, plan.chat_template)
+    texts = [fmt(p) for p in plan.workload.prompts]
+    warmup = [fmt(p) for p in WARMUP_PROMPTS]
+    names = [c.name for c in plan.configurations]
+    samples: list[Sample] = []
+    with ExitStack() as stack:
+        servers: dict[str, Server] = {}
+        for config in plan.configurations:
+            db_url = database_url(config, plan.work_dir, shared_url=None)
+            if config.kind == "adatree-serve":
+                prepare_database(db_url, config)
+            port = free_port()
+            command = config.command(plan.models, plan.settings, port, db_url)
+            log = plan.work_dir / "logs" / f"{config.slug}.log"
+            _say(progress, f"starting {config.name}: {' '.join(command)}")
+            server = stack.enter_context(
+                running_server(
+                    command, config.env(plan.settings), port, log, plan.startup_timeout_s
+                )
+            )
+            _say(progress, f"{config.name} healthy after {server.startup_s:.0f} s; warming up")
+            warm_up(
+                server,
+                config,
+                warmup,
+                plan.warmup_requests,
+                plan.new_tokens,
+                plan.request_timeout_s,
+            )
+            servers[config.name] = server
+        session = stack.enter_context(requests.Session())
+        bar = stack.enter_context(
+            tqdm(
+                total=len(texts) * len(names),
+                desc=f"compare {plan.workload.name}",
+                unit="req",
+                disable=not progress,
+                file=sys.stderr,
+            )
+        )
+        for i, text in enumerate(texts):
+            for name in request_order(i, names):
+                samples.append(_one(session, servers[name].url, name, i, text, plan))
+                bar.update(1)
+    return samples
+
+
+def _one(
+    session: requests.Session, url: str, name: str, index: int, text: str, plan: PairedPlan
+) -> Sample:
+    start = time.perf_counter()
+    streamed = stream_generate(
+        session, url, text, plan.new_tokens, plan.request_timeout_s, ignore_eos=True
+    )
+    latency_ms = (time.perf_counter() - start) * 1000.0
+    tpot = None
+    if streamed.error is None and streamed.ttft_ms is not None and streamed.output_tokens > 1:
+        tpot = (latency_ms - streamed.ttft_ms) / (streamed.output_tokens - 1)
+    return Sample(
+        prompt=index,
+        configuration=name,
+        ttft_ms=streamed.ttft_ms,
+        tpot_ms=tpot,
+        output_tokens=streamed.output_tokens,
+        spec_verify_ct=streamed.spec_verify_ct,
+        text=streamed.text,
+        error=streamed.error,
+    )
+
+
+def machine_load() -> float:
+    """The 1-minute load average: the comparison is only as fair as the machine was quiet."""
+    return os.getloadavg()[0]
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        tqdm.write(message, file=sys.stderr)

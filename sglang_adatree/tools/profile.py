@@ -1,0 +1,300 @@
+"""``adatree profile``: what a decode step costs on this deployment, and where it goes.
+
+Two measurements, each on real SGLang servers started one at a time:
+
+* ``--baseline``: SGLang without speculation against plain transformers greedy generation of
+  the same model, interleaved request by request (a server request, then the same prompt
+  through transformers in this process while the server idles), concurrency 1, EOS ignored so
+  every request produces exactly ``--new-tokens``; reported as medians and their ratio.
+* shapes: an adatree server that cycles through ``--shapes`` one decode step at a time (a
+  warm-up that never ends) with forward profiling on (``ADATREE_PROFILE_PATH``). Each step
+  logs its wall time, the time spent inside model forwards (the draft passes, the verify pass,
+  the draft extend) and the tokens it emitted; the report gives per shape the median step
+  time, forward time and their ratio (the overhead of the speculative machinery around the
+  models) and the mean emitted tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.shapes import parse_candidates
+from sglang_adatree.models.paths import TOKEN_MAP_FILE
+from sglang_adatree.tools.bench.configurations import CPU_SERVER_FLAGS
+
+DEFAULT_SHAPES = "0;3,1,4;3,2,6"
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """Tokens per second at concurrency 1, medians over requests."""
+
+    requests: int
+    new_tokens: int
+    sglang_tok_s: float
+    transformers_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.sglang_tok_s / self.transformers_tok_s
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    """One shape's decode steps at batch size 1."""
+
+    shape: str
+    steps: int
+    step_ms: float  # median wall time of the worker's step
+    forward_ms: float  # median time inside model forwards during the step
+    overhead: float  # median of step / forward
+    emitted: float | None = None  # mean emitted tokens a step (speculative shapes)
+    # Median of step time less the draft's forwards: for steps without speculation, what they
+    # cost when they skip the draft's extend (a profile runs them with it; see measure_shapes).
+    step_less_draft_ms: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model folder (default: the bundled target)")
+    parser.add_argument(
+        "--draft", help="draft folder, or 'eagle' / 'standalone' for a bundled one (default eagle)"
+    )
+    parser.add_argument("--prompts", default="mtbench", help="prompt set or JSONL file")
+    parser.add_argument("--requests", type=int, default=6, help="requests per measurement")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes to profile, 'S,K,N;...'")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also compare non-speculative SGLang with transformers",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--work-dir", type=Path, help="server logs (default: a temp dir)")
+
+
+def _chat(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def _generate(url: str, text: str, new_tokens: int) -> tuple[int, float]:
+    started = time.perf_counter()
+    response = requests.post(
+        f"{url}/generate",
+        json={
+            "text": text,
+            "sampling_params": {
+                "max_new_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        },
+        timeout=900,
+    )
+    response.raise_for_status()
+    elapsed = time.perf_counter() - started
+    return int(response.json()["meta_info"]["completion_tokens"]), elapsed
+
+
+def measure_baseline(
+    target: Path, prompts: list[str], new_tokens: int, threads: int, work_dir: Path
+) -> BaselineResult:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_adatree.tools.bench.servers import free_port, running_server
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(target),
+        "--port", str(port), "--attention-backend", "adatree_cpu",
+        "--sampling-backend", "pytorch", "--max-total-tokens", "32768",
+        "--device", "cpu", *CPU_SERVER_FLAGS,
+    ]  # fmt: skip
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    sglang_rates, hf_rates = [], []
+    with running_server(command, env, port, work_dir / "baseline-server.log") as server:
+        _generate(server.url, _chat(tokenizer, prompts[0]), 8)  # warm-up
+        for i, prompt in enumerate(prompts):
+            text = _chat(tokenizer, prompt)
+            tokens, seconds = _generate(server.url, text, new_tokens)
+            sglang_rates.append(tokens / seconds)
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            started = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(
+                    ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+                )
+            hf_rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - started))
+            print(
+                f"  request {i + 1}/{len(prompts)}: sglang {sglang_rates[-1]:.1f} tok/s, "
+                f"transformers {hf_rates[-1]:.1f} tok/s",
+                flush=True,
+            )
+    return BaselineResult(
+        len(prompts), new_tokens, statistics.median(sglang_rates), statistics.median(hf_rates)
+    )
+
+
+def _mean_emitted(rows: list[dict]) -> float | None:
+    values = [r["emitted"] for r in rows if r.get("emitted") is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize_profile(path: Path) -> list[ShapeProfile]:
+    """Per-shape medians over the batch-size-1 steps of a profile file.
+
+    Catch-up steps are left out: they run no speculation but the draft's extend, so they are
+    neither a plain step nor the speculative shape that follows them (files of servers that
+    skip the draft's extend on steps without speculation have one after each of those).
+    """
+    by_shape: dict[str, list[dict]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if (
+            row["batch_size"] == 1
+            and row["forward_ms"] > 0
+            and row.get("source") != DecisionSource.CATCH_UP
+        ):
+            by_shape[row["shape"]].append(row)
+    out = []
+    for shape, rows in sorted(by_shape.items()):
+        out.append(
+            ShapeProfile(
+                shape=shape,
+                steps=len(rows),
+                step_ms=statistics.median(r["step_ms"] for r in rows),
+                forward_ms=statistics.median(r["forward_ms"] for r in rows),
+                overhead=statistics.median(r["step_ms"] / r["forward_ms"] for r in rows),
+                emitted=_mean_emitted(rows),
+                step_less_draft_ms=statistics.median(
+                    r["step_ms"] - r.get("draft_forward_ms", 0.0) for r in rows
+                ),
+            )
+        )
+    return out
+
+
+def measure_shapes(
+    target: Path,
+    draft: Path,
+    shapes: str,
+    prompts: list[str],
+    new_tokens: int,
+    threads: int,
+    work_dir: Path,
+) -> list[ShapeProfile]:
+    from transformers import AutoTokenizer
+
+    from sglang_adatree.tools.bench.servers import free_port, running_server
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    profile_path = work_dir / "steps.jsonl"
+    profile_path.unlink(missing_ok=True)
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang_adatree.cli", "serve", "--model-path", str(target),
+        "--speculative-draft-model-path", str(draft), "--port", str(port),
+        "--candidate-shapes", shapes, "--device", "cpu", *CPU_SERVER_FLAGS,
+    ]  # fmt: skip
+    token_map = draft / TOKEN_MAP_FILE
+    if token_map.is_file():  # an EAGLE head with a reduced (hot) vocabulary
+        command += ["--speculative-token-map", str(token_map)]
+    env = {
+        "ADATREE_PROFILE_PATH": str(profile_path),
+        # The largest warm-up allowed: longer than any profile, so the cycle never ends.
+        "ADATREE_WARMUP_STEPS": "100000",
+        # Steps without speculation run the draft's extend too: skipped, they would leave gaps
+        # in the draft's cache that lower every later draft's acceptance (a cycle has one such
+        # step per round), and make the next step a catch-up. Their cost without it is their
+        # step time less the draft's forwards (``step_less_draft_ms``).
+        "ADATREE_SKIP_IDLE_DRAFT_EXTEND": "false",
+        "ADATREE_RECORD_STEPS": "false",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    with running_server(command, env, port, work_dir / "adatree-server.log") as server:
+        _generate(server.url, _chat(tokenizer, prompts[0]), 8)
+        profile_path.write_text("")  # drop the warm-up request's steps
+        for i, prompt in enumerate(prompts):
+            _generate(server.url, _chat(tokenizer, prompt), new_tokens)
+            print(f"  request {i + 1}/{len(prompts)} done", flush=True)
+    return summarize_profile(profile_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_adatree.config import load_config
+    from sglang_adatree.models.hardware import cpu_name
+    from sglang_adatree.models.paths import ModelPaths
+    from sglang_adatree.tools.bench.workloads import load_workload
+
+    paths = ModelPaths(load_config().home_dir)
+    target = Path(args.target) if args.target else paths.target_dir
+    bundled = {"eagle": paths.eagle_dir, "standalone": paths.standalone_dir}
+    draft = bundled.get(args.draft or "eagle") or Path(args.draft)
+    for name, path in (("target", target), ("draft", draft)):
+        if not (path / "config.json").is_file():
+            print(f"adatree profile: no {name} model at {path} (run `adatree models prepare`)")
+            return 2
+    parse_candidates(args.shapes)
+    prompts = list(load_workload(args.prompts, args.requests).prompts)
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="adatree-profile-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "target": str(target),
+        "draft": str(draft),
+        "prompts": args.prompts,
+        # What a model card quoting these figures names (``adatree models evaluate --served``).
+        "settings": {
+            "draft": args.draft or "eagle",
+            "prompts": args.prompts,
+            "shapes": args.shapes,
+            "requests": args.requests,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "cpu": cpu_name(),
+        },
+    }
+    if args.baseline:
+        print("non-speculative SGLang against transformers (interleaved):", flush=True)
+        base = measure_baseline(target, prompts, args.new_tokens, args.threads, work_dir)
+        result["baseline"] = {**asdict(base), "ratio": base.ratio}
+        print(
+            f"sglang {base.sglang_tok_s:.1f} tok/s, transformers {base.transformers_tok_s:.1f} "
+            f"tok/s: ratio {base.ratio:.2f}"
+        )
+    print(f"shape profile ({args.shapes}), batch size 1:", flush=True)
+    profiles = measure_shapes(
+        target, draft, args.shapes, prompts, args.new_tokens, args.threads, work_dir
+    )
+    result["shapes"] = [asdict(p) for p in profiles]
+    print(
+        f"{'shape':>8} {'steps':>6} {'step ms':>9} {'forward ms':>11} {'overhead':>9} "
+        f"{'emitted':>8}"
+    )
+    for p in profiles:
+        emitted = "-" if p.emitted is None else f"{p.emitted:.2f}"
+        print(
+            f"{p.shape:>8} {p.steps:>6} {p.step_ms:>9.1f} {p.forward_ms:>11.1f} "
+            f"{p.overhead:>9.3f} {emitted:>8}"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    print(f"server logs: {work_dir}")
+    return 0
