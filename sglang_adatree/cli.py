@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "paired comparison of configurations served side by side",
     ),
     "models": ("sglang_adatree.models.commands", "prepare, train and evaluate the bundled models"),
+    "simulate": (
+        "sglang_adatree.lab.commands",
+        "replay policies against the oracles in the policy lab",
+    ),
 }
 
 

@@ -69,7 +69,8 @@ class MeasuredSteps:
         self.residual_decay = residual_decay
         self.padding = padding
         self.grid = TableGrid(max_batch_size=max(1, min(max_batch_size, 256)))
-        self._rows: collections.deque[MeasuredStep] = collections.deque(maxlen=HISTORY_ROWS)
+        self._rows: collections.deque[MeasuredStep] = collections.deque()
+        self._shape_rows: collections.Counter[TreeShape] = collections.Counter()  # in _rows
         self.total = 0  # steps ever added
         self._last_refit_total = 0
         self.last_refit_mape: float | None = None
@@ -78,8 +79,14 @@ class MeasuredSteps:
         return len(self._rows)
 
     def add(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
+        if len(self._rows) >= HISTORY_ROWS:
+            self._shape_rows[self._rows.popleft().shape] -= 1
         self._rows.append(MeasuredStep(features, shape, measured_ms))
+        self._shape_rows[shape] += 1
         self.total += 1
+
+    def _measured_shapes(self) -> set[TreeShape]:
+        return {s for s, n in list(self._shape_rows.items()) if n > 0}
 
     def matrix(self) -> tuple[np.ndarray, list[TreeShape], np.ndarray]:
         """A snapshot as (feature rows ``[rows, NUM_FEATURES]``, shapes, ms ``[rows]``)."""
@@ -89,20 +96,26 @@ class MeasuredSteps:
         return x, shapes, np.array([m.measured_ms for m in rows], dtype=np.float64)
 
     def refit_due(self) -> bool:
-        """Whether the schedule in the module docstring calls for a refit now."""
+        """Whether the schedule in the module docstring calls for a refit now (cheap: it is
+        asked after every step in a simulation, every poll in a server)."""
         done = self._last_refit_total
         if done:
             return self.total - done >= min(done, REFIT_EVERY_ROWS)
-        covered = {m.shape for m in list(self._rows)}.issuperset(self.candidates)
+        measured = self._measured_shapes()
+        if len(self._rows) < FIRST_REFIT_ROWS or len(measured) < 2:
+            return False  # a fit of fewer rows or one shape cannot separate its terms
+        covered = measured.issuperset(self.candidates)
         return len(self._rows) >= (FIRST_REFIT_ROWS if covered else MIN_REFIT_ROWS)
 
     def refit(self, force: bool = False) -> OnlineCostModel | None:
         """The analytic model refitted on the measured steps, with their corrections replayed;
         None when not due. ``force``: now, and when the fit is not determined (too few rows or
         shapes) the default analytic model with the corrections replayed."""
+        if not force and not self.refit_due():
+            return None
         x, shapes, y = self.matrix()
         determined = len(y) >= FIRST_REFIT_ROWS and len(set(shapes)) >= 2
-        if not force and not (determined and self.refit_due()):
+        if not force and not determined:
             return None
         self._last_refit_total = self.total
         fitted = AnalyticStepTime()

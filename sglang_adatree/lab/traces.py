@@ -219,10 +219,12 @@ def parametric_traces(
     """Traces drawn from acceptance hazards (``[depth, rank]`` per request class), labelled
     parametric.
 
-    Requests take the classes in turn. At each position one draw decides, for every (depth,
-    rank), whether the target would accept that child given its better siblings were not; every
-    shape is verified against the same draw, so a larger tree never emits less than a subtree
-    of it, as with a real draft.
+    Requests take the classes in turn. Answers end where a real one would stop at EOS or the
+    token limit: a length drawn uniformly from half of ``answer_len`` up to it (requests that
+    all end together would keep a batch in lockstep, which real traffic does not). At each
+    position one draw decides, for every (depth, rank), whether the target would accept that
+    child given its better siblings were not; every shape is verified against the same draw,
+    so a larger tree never emits less than a subtree of it, as with a real draft.
     """
     shapes = tuple(shapes)
     depth = max((s.steps for s in shapes), default=0)
@@ -232,21 +234,22 @@ def parametric_traces(
     requests = []
     for i in range(num_requests):
         cls = classes[i % len(classes)]
+        length = int(rng.integers(max(2, answer_len // 2), answer_len + 1))
         h = np.zeros((max(depth, 1), rank))
         given = np.asarray(hazards_by_class[cls], dtype=np.float64)
         h[: min(depth, given.shape[0]), : min(rank, given.shape[1])] = given[:depth, :rank]
         nodes = [tree_nodes(s, h) for s in shapes]
         expected = np.array([_expected(nodes_j, h) for nodes_j in nodes], dtype=np.float32)
-        emitted = np.ones((answer_len, len(shapes)), dtype=np.int16)
-        children = np.zeros((answer_len, len(shapes), max(depth, 1)), dtype=np.int8)
-        ranks = np.full((answer_len, len(shapes), max(depth, 1)), -1, dtype=np.int8)
-        for p in range(1, answer_len):
+        emitted = np.ones((length, len(shapes)), dtype=np.int16)
+        children = np.zeros((length, len(shapes), max(depth, 1)), dtype=np.int8)
+        ranks = np.full((length, len(shapes), max(depth, 1)), -1, dtype=np.int8)
+        for p in range(1, length):
             accept = rng.random(h.shape) < h  # [depth, rank]
             for j, shape in enumerate(shapes):
                 if not shape.speculative:
                     continue
                 accepted, c, r = _walk(nodes[j], accept, shape.steps)
-                emitted[p, j] = min(accepted + 1, answer_len - p)
+                emitted[p, j] = min(accepted + 1, length - p)
                 children[p, j, : shape.steps] = c
                 ranks[p, j, : shape.steps] = r
         requests.append(
@@ -256,7 +259,7 @@ def parametric_traces(
                 emitted=emitted,
                 num_children=children,
                 accepted_rank=ranks,
-                draft_expected=np.broadcast_to(expected, (answer_len, len(shapes))).copy(),
+                draft_expected=np.broadcast_to(expected, (length, len(shapes))).copy(),
             )
         )
     return TraceSet(name, pair, "parametric", shapes, tuple(requests))

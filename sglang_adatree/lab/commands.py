@@ -1,0 +1,118 @@
+"""``adatree simulate``: replay policies in the lab (``--list``, ``--scenario``, ``--grid``).
+
+    adatree simulate --list
+    adatree simulate --scenario load-h100-c16 [--out rows.json] [--html report.html]
+    adatree simulate --grid default --out grid.json --html grid.html
+    adatree simulate --scenario models-cpu-eagle-mtbench-c1 --prompts my.jsonl
+    adatree simulate --scenario load-h100-c16 --profile-from-db postgresql://...
+
+``--prompts FILE.jsonl`` replays the scenario with exact traces of that prompt file under the
+scenario's bundled draft (built once, cached). ``--profile-from-db URL`` charges the step times a
+deployment recorded in its telemetry database instead of the scenario's profile. The policies
+are the serving loop's own code, configured like a server (``ADATREE_*`` environment and config
+file) except the candidate shapes, which are the scenario's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from sglang_adatree.config import ConfigError, load_config
+from sglang_adatree.lab import report, sources
+from sglang_adatree.lab.runner import run_scenario
+from sglang_adatree.lab.scenarios import GRIDS, Scenario, all_scenarios
+from sglang_adatree.lab.sources import SourceError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--list", action="store_true", help="print the scenarios, one a line")
+    what.add_argument("--scenario", action="append", metavar="NAME", help="run this scenario")
+    what.add_argument("--grid", choices=sorted(GRIDS), help="run a named grid")
+    parser.add_argument("--out", type=Path, help="write the rows as a JSON list here")
+    parser.add_argument("--html", type=Path, help="write an HTML report with charts here")
+    parser.add_argument("--prompts", help="a JSONL file (or a prompt set): exact traces of it")
+    parser.add_argument("--profile-from-db", metavar="URL", help="a deployment's step times")
+    parser.add_argument("--seed", type=int, default=None, help="override the scenarios' seed")
+    parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
+    parser.add_argument("--home", default=None, help="data directory (traces are cached there)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _scenarios(args: argparse.Namespace) -> list[Scenario]:
+    if args.grid:
+        chosen = list(GRIDS[args.grid]())
+    else:
+        known = all_scenarios()
+        unknown = [n for n in args.scenario if n not in known]
+        if unknown:
+            raise SourceError(
+                f"unknown scenario {', '.join(unknown)}; `adatree simulate --list` names them"
+            )
+        chosen = [known[n] for n in args.scenario]
+    out = []
+    for s in chosen:
+        if args.prompts:
+            pair = s.traces.partition(":")[0]
+            if pair not in sources.BUNDLED_DRAFTS:
+                pair = sources.BUNDLED_DRAFTS[0]
+            s = dataclasses.replace(s, traces=f"{pair}:{args.prompts}")
+        if args.profile_from_db:
+            s = dataclasses.replace(s, profile=f"db:{args.profile_from_db}")
+        if args.seed is not None:
+            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, seed=args.seed))
+        out.append(s)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for s in all_scenarios().values():
+            print(f"{s.name}  [{s.condition}] {s.describe()}")
+        return 0
+    try:
+        config = load_config(home=args.home)
+        scenarios = _scenarios(args)
+        replayed = []
+        started = time.perf_counter()
+        for i, s in enumerate(scenarios, start=1):
+            if not args.quiet:
+                print(f"[{i}/{len(scenarios)}] {s.name}: {s.describe()}", flush=True)
+            traces = sources.load_traces(
+                s.traces,
+                s.candidates,
+                s.answer_tokens,
+                config.home_dir,
+                progress=not args.quiet,
+                num_prompts=s.sim.num_requests,
+            )
+            profile = sources.load_profile(s.profile, s.candidates)
+            result = run_scenario(
+                traces, profile, s.sim, config, s.candidates, decompose=not args.no_decompose
+            )
+            replayed.append(
+                report.Replayed(
+                    s,
+                    traces.label,
+                    traces.kind,
+                    f"{profile.name} ({profile.source})",
+                    result,
+                )
+            )
+    except (SourceError, ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"adatree simulate: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(report.table(replayed))
+    if not args.quiet:
+        print(f"\n{len(replayed)} scenarios in {time.perf_counter() - started:.1f} s")
+    command = "adatree simulate " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    if args.out:
+        report.write_json(replayed, args.out)
+    if args.html:
+        report.write_html(replayed, command, args.html)
+    return 0

@@ -1,0 +1,221 @@
+"""The lab's outputs: JSON rows, the terminal table, the grid's summary and the HTML report.
+
+One row per (scenario, policy) with the fields ``adatree simulate --out`` promises: ``policy,
+scenario, goodput_tok_s, tpot_ms_p50, tpot_ms_p99, accept_len_mean, steps, shape_shares,
+ratio_to_oracle_static, ratio_to_per_step_oracle`` and what the scenario replayed. The summary
+names the best single static shape over the grid (the one with the best geometric mean of its
+ratio to each scenario's oracle static shape) and adatree's geometric-mean ratios to it, to the
+oracle static shape and to the per-step oracle, and its worst ratio to ``ar``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import plotly
+import plotly.graph_objects as go
+
+from sglang_adatree.lab.runner import DECOMPOSITION, ScenarioResult
+from sglang_adatree.lab.scenarios import Scenario
+
+SHOWN = ("adatree", "oracle-static", "ar", "turbospec", "sglang-adaptive", "per-step-oracle")
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """One scenario's result with what it replayed."""
+
+    scenario: Scenario
+    traces_label: str  # the trace set's label: name, kind, pair
+    trace_kind: str  # exact or parametric
+    profile_label: str  # profile name and source
+    result: ScenarioResult
+
+
+def rows(replayed: Sequence[Replayed]) -> list[dict[str, Any]]:
+    """The JSON rows, one per scenario and policy."""
+    out = []
+    for rep in replayed:
+        res = rep.result
+        for policy, run in res.runs.items():
+            out.append(
+                {
+                    "policy": policy,
+                    "scenario": rep.scenario.name,
+                    "condition": rep.scenario.condition,
+                    "traces": rep.traces_label,
+                    "trace_kind": rep.trace_kind,
+                    "profile": rep.profile_label,
+                    "load": rep.scenario.sim.arrivals.describe(),
+                    "goodput_tok_s": round(run.goodput_tok_s, 4),
+                    "tpot_ms_p50": round(run.tpot_ms_p50, 3),
+                    "tpot_ms_p99": round(run.tpot_ms_p99, 3),
+                    "accept_len_mean": round(run.accept_len_mean, 4),
+                    "steps": run.steps,
+                    "shape_shares": {k: round(v, 4) for k, v in run.shape_shares.items()},
+                    "ratio_to_oracle_static": round(res.ratio(policy, "oracle-static"), 4),
+                    "ratio_to_per_step_oracle": round(res.ratio(policy, "per-step-oracle"), 4),
+                    "ratio_to_ar": round(res.ratio(policy, "ar"), 4),
+                    "oracle_static_shape": res.oracle_static,
+                }
+            )
+    return out
+
+
+def geomean(values: Sequence[float]) -> float:
+    finite = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in finite) / len(finite)) if finite else math.nan
+
+
+@dataclass(frozen=True)
+class Summary:
+    scenarios: int
+    best_single_static: str
+    vs_oracle_static: float  # geometric mean over scenarios
+    vs_best_single_static: float
+    vs_per_step_oracle: float
+    worst_vs_ar: float
+    worst_vs_oracle_static: float
+
+    def lines(self) -> list[str]:
+        return [
+            f"{self.scenarios} scenarios; geometric means of adatree's goodput ratio:",
+            f"  to the oracle static shape   {self.vs_oracle_static:.3f}"
+            f" (worst scenario {self.worst_vs_oracle_static:.3f})",
+            f"  to the best single static    {self.vs_best_single_static:.3f}"
+            f" ({self.best_single_static})",
+            f"  to the per-step oracle       {self.vs_per_step_oracle:.3f}",
+            f"  worst ratio to ar            {self.worst_vs_ar:.3f}",
+        ]
+
+
+def summarize(replayed: Sequence[Replayed]) -> Summary | None:
+    results = [r.result for r in replayed if "adatree" in r.result.runs]
+    if not results:
+        return None
+    statics = set.intersection(
+        *({p for p in r.runs if p.startswith("static:") or p == "ar"} for r in results)
+    )
+    best = max(
+        sorted(statics), key=lambda p: geomean([r.ratio(p, "oracle-static") for r in results])
+    )
+    adatree = [
+        (r.runs["adatree"].goodput_tok_s, r) for r in results
+    ]  # fmt: skip
+    return Summary(
+        scenarios=len(results),
+        best_single_static=best,
+        vs_oracle_static=geomean([r.ratio("adatree", "oracle-static") for r in results]),
+        vs_best_single_static=geomean([g / r.runs[best].goodput_tok_s for g, r in adatree]),
+        vs_per_step_oracle=geomean([r.ratio("adatree", "per-step-oracle") for r in results]),
+        worst_vs_ar=min(r.ratio("adatree", "ar") for r in results),
+        worst_vs_oracle_static=min(r.ratio("adatree", "oracle-static") for r in results),
+    )
+
+
+def table(replayed: Sequence[Replayed]) -> str:
+    """Per scenario: goodput of the policies shown and adatree's ratios; the decomposition."""
+    header = (
+        f"{'scenario':32s} {'adatree':>8s} {'oracle-st':>9s} {'ar':>8s} {'turbo':>8s} "
+        f"{'sgl-ad':>8s} {'per-step':>8s} {'/orc-st':>7s} {'/ar':>6s} {'/p-step':>7s}"
+        "  oracle static"
+    )
+    lines = [header, "-" * len(header)]
+    for rep in replayed:
+        res = rep.result
+        g = {p: res.runs[p].goodput_tok_s if p in res.runs else math.nan for p in SHOWN}
+        lines.append(
+            f"{rep.scenario.name:32s} {g['adatree']:8.2f} {g['oracle-static']:9.2f} "
+            f"{g['ar']:8.2f} {g['turbospec']:8.2f} {g['sglang-adaptive']:8.2f} "
+            f"{g['per-step-oracle']:8.2f} {res.ratio('adatree', 'oracle-static'):7.3f} "
+            f"{res.ratio('adatree', 'ar'):6.3f} {res.ratio('adatree', 'per-step-oracle'):7.3f}"
+            f"  {res.oracle_static}"
+        )
+        if res.decomposition and res.ratio("adatree", "oracle-static") < 1.0:
+            parts = ", ".join(f"{c} {res.decomposition[c]:+.1%}" for c in (*DECOMPOSITION, "rest"))
+            lines.append(f"{'':32s}   gap to the per-step oracle by cause: {parts}")
+    summary = summarize(replayed)
+    if summary is not None:
+        lines += ["", *summary.lines()]
+    return "\n".join(lines)
+
+
+def goodput_figure(replayed: Sequence[Replayed]) -> go.Figure:
+    """Goodput per policy, relative to each scenario's oracle static shape."""
+    fig = go.Figure()
+    names = [r.scenario.name for r in replayed]
+    for policy in SHOWN:
+        fig.add_trace(
+            go.Bar(
+                name=policy,
+                x=names,
+                y=[
+                    r.result.ratio(policy, "oracle-static") if policy in r.result.runs else None
+                    for r in replayed
+                ],
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        title="goodput relative to the oracle static shape",
+        yaxis_title="ratio to oracle static",
+        height=480,
+    )
+    return fig
+
+
+def shapes_figure(rep: Replayed) -> go.Figure:
+    """The shape adatree ran at every decode step, beside the per-step oracle's."""
+    fig = go.Figure()
+    for policy, symbol in (("per-step-oracle", "circle-open"), ("adatree", "circle")):
+        run = rep.result.runs.get(policy)
+        if run is None or not run.timeline:
+            continue
+        fig.add_trace(
+            go.Scattergl(
+                x=[t for t, _ in run.timeline],
+                y=[s for _, s in run.timeline],
+                mode="markers",
+                marker={"symbol": symbol, "size": 4},
+                name=policy,
+            )
+        )
+    fig.update_layout(
+        title=f"{rep.scenario.name}: shapes chosen over time",
+        xaxis_title="simulated time (s)",
+        yaxis_title="shape",
+        height=360,
+    )
+    return fig
+
+
+def write_json(replayed: Sequence[Replayed], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows(replayed), indent=1) + "\n")
+
+
+def write_html(replayed: Sequence[Replayed], command: str, path: Path) -> None:
+    """One self-contained HTML page: the table, the goodput chart, each scenario's shapes."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>adatree simulate</title>",
+        f"<script>{plotly.offline.get_plotlyjs()}</script>",
+        "<style>body{font-family:sans-serif;margin:1.5em}pre{background:#f6f6f6;"
+        "padding:.5em}</style></head><body>",
+        "<h1>adatree in the policy lab</h1>",
+        f"<p>Command: <code>{html.escape(command)}</code></p>",
+        f"<pre>{html.escape(table(replayed))}</pre>",
+        goodput_figure(replayed).to_html(full_html=False, include_plotlyjs=False),
+    ]
+    for rep in replayed:
+        parts.append(f"<p>{html.escape(rep.scenario.name)}: {html.escape(rep.traces_label)}, "
+                     f"{html.escape(rep.profile_label)}</p>")  # fmt: skip
+        parts.append(shapes_figure(rep).to_html(full_html=False, include_plotlyjs=False))
+    parts.append("</body></html>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts))

@@ -1,0 +1,173 @@
+"""Every policy through one scenario, scored against the oracles; where adatree loses, why.
+
+Policies: ``ar`` (never drafts), every ``static:S,K,N`` of the candidate set, ``adatree``,
+``turbospec`` and ``sglang-adaptive`` (the step controller with that decision rule), and two
+references: ``oracle-static`` (the best static shape in hindsight) and ``per-step-oracle``.
+
+The loss decomposition replaces adatree's estimates with the truth one at a time, cumulatively,
+and charges each step's gain in goodput to what it replaced:
+
+1. acceptance: the acceptance estimator answers with the batch's true mean emitted tokens per
+   shape (read from the traces at each request's position);
+2. step time: the cost model answers with the profile's true step time (the machine's speed
+   included, the per-step noise not), and is no longer refitted;
+3. exploration: no warm-up and no exploring steps;
+4. switching: no hysteresis (``min_gain`` 0) and catch-up steps cost what a step without
+   speculation costs.
+
+What is left to the per-step oracle after all four is the greedy rule itself (each step the best
+rate for the batch in front of it) and batch effects no per-step estimate removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.features import StepFeatures
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
+from sglang_adatree.lab.profiles import StepTimeProfile
+from sglang_adatree.lab.simulator import (
+    ControllerChooser,
+    RunResult,
+    SimConfig,
+    controller_chooser_factory,
+    oracle_chooser,
+    simulate,
+    static_chooser,
+)
+from sglang_adatree.lab.traces import TraceSet
+
+CONTROLLER_POLICIES = ("adatree", "turbospec", "sglang-adaptive")
+DECOMPOSITION = ("acceptance", "step-time", "exploration", "switching")
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    """Every policy's run of one scenario, and the references."""
+
+    runs: dict[str, RunResult]  # by policy name
+    oracle_static: str  # the static shape that did best here
+    decomposition: dict[str, float]  # loss share per cause, as goodput ratios to the oracle
+
+    def ratio(self, policy: str, reference: str) -> float:
+        ref = self.runs[reference].goodput_tok_s
+        return self.runs[policy].goodput_tok_s / ref if ref > 0 else math.nan
+
+
+class _TruthAcceptance:
+    """The batch's true mean emitted tokens per shape, as an acceptance estimator answers."""
+
+    def __init__(self, traces: TraceSet) -> None:
+        self.traces = traces
+        self.batch: list[Any] = []
+        self._columns: dict[TreeShape, int] = {}
+
+    def expected_emitted_many(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        out = np.ones(len(shapes))
+        for i, shape in enumerate(shapes):
+            if shape.speculative:
+                j = self._columns.setdefault(shape, self.traces.column(shape))
+                out[i] = np.mean([r.trace.emitted[r.position, j] for r in self.batch])
+        return out
+
+    def expected_emitted(self, shape: TreeShape) -> float:
+        return float(self.expected_emitted_many((shape,))[0])
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _TruthStepTime:
+    """The profile's step time at the machine's current speed, as a cost model answers."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+
+    def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        return np.array([self.machine.true_ms(features, s) for s in shapes])
+
+    def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
+        return self.machine.true_ms(features, shape)
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _variant(
+    config: AdaTreeConfig, traces: TraceSet, replaced: Sequence[str]
+) -> Callable[[Any, Callable[[], float]], Any]:
+    """A chooser factory for adatree with the estimates in ``replaced`` set to the truth."""
+    if "exploration" in replaced:
+        config = config.replace(warmup_steps=0, explore_fraction=0.0)
+    if "switching" in replaced:
+        config = config.replace(min_gain=0.0)
+
+    def configure(chooser: ControllerChooser, machine: Any) -> None:
+        policy = chooser.controller.policy
+        if "acceptance" in replaced:
+            truth = _TruthAcceptance(traces)
+            policy.acceptance = truth
+
+            def see(batch: list[Any]) -> None:
+                truth.batch = batch
+
+            chooser.before_begin = see
+        if "step-time" in replaced:
+            policy.cost_model = _TruthStepTime(machine)
+            chooser.refits = False
+        if "switching" in replaced:
+            chooser.charge_catch_up = False
+
+    return controller_chooser_factory(config, traces, configure)
+
+
+def run_scenario(
+    traces: TraceSet,
+    profile: StepTimeProfile,
+    sim: SimConfig,
+    config: AdaTreeConfig,
+    candidates: Sequence[TreeShape],
+    policies: Sequence[str] = (),
+    decompose: bool = True,
+    timelines: Sequence[str] = ("adatree", "per-step-oracle"),
+) -> ScenarioResult:
+    """Run every policy (``policies`` empty: all of them) on one scenario."""
+    candidates = tuple(candidates)
+    config = config.replace(candidate_shapes=candidates, record_steps=False)
+    runs: dict[str, RunResult] = {}
+
+    def run(name: str, make: Callable[[Any, Callable[[], float]], Any], cfg: SimConfig) -> None:
+        runs[name] = simulate(traces, profile, cfg, make, name, keep_timeline=name in timelines)
+
+    statics = [s for s in candidates if s.speculative]
+    for shape in (NO_SPEC, *statics):
+        name = "ar" if shape == NO_SPEC else f"static:{shape}"
+        run(name, lambda m, c, shape=shape: static_chooser(shape), sim)
+    best = max((f"static:{s}" for s in statics), key=lambda n: runs[n].goodput_tok_s)
+    if runs["ar"].goodput_tok_s > runs[best].goodput_tok_s:
+        best = "ar"
+    runs["oracle-static"] = dataclasses.replace(runs[best], policy="oracle-static")
+    run("per-step-oracle", lambda m, c: oracle_chooser(traces, m, candidates), sim)
+    for name in CONTROLLER_POLICIES:
+        if policies and name not in policies:
+            continue
+        run(name, controller_chooser_factory(config.replace(policy=name), traces), sim)
+    decomposition: dict[str, float] = {}
+    if decompose and "adatree" in runs:
+        oracle = runs["per-step-oracle"].goodput_tok_s
+        previous = runs["adatree"].goodput_tok_s
+        for i, cause in enumerate(DECOMPOSITION):
+            variant = f"adatree+{'+'.join(DECOMPOSITION[: i + 1])}"
+            run(variant, _variant(config, traces, DECOMPOSITION[: i + 1]), sim)
+            now = runs[variant].goodput_tok_s
+            decomposition[cause] = (now - previous) / oracle if oracle > 0 else math.nan
+            previous = now
+        decomposition["rest"] = (oracle - previous) / oracle if oracle > 0 else math.nan
+    return ScenarioResult(runs, best, decomposition)

@@ -1,0 +1,471 @@
+"""A serving simulator: continuous batching as SGLang runs it, one shape per decode step.
+
+Requests arrive (closed-loop clients, Poisson arrivals, bursts, or recorded arrival times), wait,
+and join the running batch (at most ``max_batch_size``) through a prefill step of their own, as
+SGLang schedules a prefill batch instead of a decode step while requests wait (speculative
+decoding runs no mixed batches). A decode step runs every running request under one shape; each
+request emits what its trace says for that shape at its position; a request that has emitted its
+whole answer leaves the batch. Time advances by the profile's step time, scaled by the machine's
+speed (an Ornstein-Uhlenbeck walk in log speed, ``drift`` its stationary sigma) and per-step
+noise (``noise``, log-normal sigma); both are seeded, so a run is a pure function of its
+inputs. A prefill of ``P`` prompt tokens costs what the profile charges a step without
+speculation over ``P`` rows (one forward over that many tokens).
+
+The policy under test is driven the way the SGLang worker drives it: through
+``core.controller.StepController`` (adatree and the re-implemented baselines, catch-up steps,
+refits as the control poller would hand them over), fed the noisy measured step time and the
+accepted paths of every step. References no real system can run:
+
+* ``static:S,K,N`` and ``ar`` run one shape throughout (``ar`` never drafts);
+* the **oracle static** shape is the best static shape of the scenario in hindsight;
+* the **per-step oracle** picks, each step, the shape with the most true emitted tokens per
+  true step time (speed included, noise not), knowing every request's trace.
+
+A catch-up step (no speculation, with the draft's extend) costs the step without speculation
+plus half the difference between the one-token chain and no speculation, the profile's best
+estimate of one draft extend when it has no figure of its own (``notes["catch_up_ms"]``).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
+from sglang_adatree.core.features import StepFeatures
+from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
+from sglang_adatree.lab.profiles import StepTimeProfile
+from sglang_adatree.lab.traces import RequestTrace, TraceSet
+
+CHAIN_1 = TreeShape(1, 1, 2)
+# The machine's speed walks in log space on a fixed time grid: every policy of a scenario sees
+# the same speed at the same simulated time, however many steps it takes to get there.
+SPEED_TICK_S = 0.05
+SPEED_KEEP = 0.995  # persistence per tick: a correlation time of about 10 s
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """How requests arrive.
+
+    * ``closed``: ``concurrency`` clients, each sending its next request when the last one
+      finished;
+    * ``poisson``: open-loop arrivals at ``rate_per_s``;
+    * ``bursts``: phases of ``(seconds, concurrency)`` in turn, closed-loop within a phase
+      (concurrency 0: idle), repeated until every request is sent;
+    * ``recorded``: the given arrival times (seconds from the start), one per request.
+    """
+
+    kind: str
+    concurrency: int = 1
+    rate_per_s: float = 0.0
+    bursts: tuple[tuple[float, int], ...] = ()
+    times: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("closed", "poisson", "bursts", "recorded"):
+            raise ValueError(f"unknown arrival kind {self.kind!r}")
+        if self.kind == "closed" and self.concurrency < 1:
+            raise ValueError("closed-loop arrivals need concurrency >= 1")
+        if self.kind == "poisson" and self.rate_per_s <= 0:
+            raise ValueError("Poisson arrivals need a positive rate")
+        if self.kind == "bursts" and not any(c > 0 for _, c in self.bursts):
+            raise ValueError("bursts need at least one phase with clients")
+
+    def describe(self) -> str:
+        if self.kind == "closed":
+            return f"concurrency {self.concurrency}"
+        if self.kind == "poisson":
+            return f"Poisson {self.rate_per_s:g} req/s"
+        if self.kind == "bursts":
+            return "bursts " + ", ".join(f"{c} for {s:g}s" for s, c in self.bursts)
+        return f"{len(self.times)} recorded arrivals"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run's conditions, apart from the traces, the profile and the policy."""
+
+    arrivals: Arrivals
+    num_requests: int
+    max_batch_size: int = 256
+    noise: float = 0.0  # sigma of per-step log-normal noise on step time
+    drift: float = 0.0  # stationary sigma of the log speed walk
+    seed: int = 0
+    shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one policy did in one run."""
+
+    policy: str
+    goodput_tok_s: float  # output tokens over the makespan
+    tpot_ms_p50: float
+    tpot_ms_p99: float
+    accept_len_mean: float  # emitted tokens per request per decode step
+    steps: int  # decode steps
+    shape_shares: dict[str, float]  # share of decode steps per shape
+    makespan_s: float
+    output_tokens: int
+    decode_s: float  # time spent in decode steps (the makespan less prefills and idling)
+    decode_tokens: int  # tokens the decode steps emitted (the first of each is the prefill's)
+    # The decode steps in order: time (s) and shape, for the charts.
+    timeline: tuple[tuple[float, str], ...] = field(default=(), repr=False)
+
+
+@dataclass
+class _Request:
+    id: str
+    trace: RequestTrace
+    arrival_s: float
+    position: int = 0  # output tokens so far
+    first_token_s: float = 0.0
+
+
+class _Machine:
+    """The true step time: the profile, the machine's slow speed walk and per-step noise."""
+
+    def __init__(self, profile: StepTimeProfile, cfg: SimConfig) -> None:
+        self.profile = profile
+        self.noise = cfg.noise
+        self.drift = cfg.drift
+        self.noise_rng = np.random.default_rng(cfg.seed + 7919)
+        self.speed_rng = np.random.default_rng(cfg.seed + 104729)
+        self.log_speeds = [0.0]  # on the SPEED_TICK_S grid from time 0
+        self.now = 0.0
+
+    def at(self, now: float) -> None:
+        """Move the machine's clock to ``now`` (simulated seconds)."""
+        self.now = now
+        if self.drift <= 0:
+            return
+        tick = int(now / SPEED_TICK_S)
+        scale = self.drift * math.sqrt(1 - SPEED_KEEP**2)
+        while len(self.log_speeds) <= tick:
+            eps = float(self.speed_rng.normal())
+            self.log_speeds.append(SPEED_KEEP * self.log_speeds[-1] + scale * eps)
+
+    @property
+    def speed(self) -> float:
+        if self.drift <= 0:
+            return 1.0
+        return math.exp(self.log_speeds[int(self.now / SPEED_TICK_S)])
+
+    def true_ms(self, features: StepFeatures, shape: TreeShape) -> float:
+        return self.profile.step_ms(features, shape) * self.speed
+
+    def catch_up_ms(self, features: StepFeatures) -> float:
+        plain = self.profile.step_ms(features, NO_SPEC)
+        notes = getattr(self.profile, "notes", {}) or {}
+        if "catch_up_ms" in notes:
+            extra = float(notes["catch_up_ms"])
+        else:
+            try:
+                extra = max(0.0, self.profile.step_ms(features, CHAIN_1) - plain) / 2.0
+            except KeyError:
+                extra = 0.1 * plain
+        return (plain + extra) * self.speed
+
+    def measured(self, true_ms: float) -> float:
+        if self.noise <= 0:
+            return true_ms
+        return true_ms * math.exp(float(self.noise_rng.normal(0.0, self.noise)))
+
+    def prefill_ms(self, prompt_tokens: int) -> float:
+        rows = max(1, prompt_tokens)
+        features = StepFeatures(rows, rows, rows, 1)
+        return self.profile.step_ms(features, NO_SPEC) * self.speed
+
+
+# A chooser sees the running requests and the features, returns the shape, whether the step is a
+# catch-up (costed as such), and a callback that takes the measured time and per-request
+# emitted tokens once the step ran.
+Chooser = Callable[
+    [list[_Request], StepFeatures], tuple[TreeShape, bool, Callable[[float, list[int]], None]]
+]
+
+
+def _noop(ms: float, emitted: list[int]) -> None:
+    return None
+
+
+def static_chooser(shape: TreeShape) -> Chooser:
+    def choose(batch: list[_Request], features: StepFeatures):
+        return shape, False, _noop
+
+    return choose
+
+
+def oracle_chooser(traces: TraceSet, machine: _Machine, shapes: Sequence[TreeShape]) -> Chooser:
+    """Each step the shape with the most true emitted tokens per ms of true step time."""
+    columns = [traces.column(s) if s.speculative else -1 for s in shapes]
+
+    def choose(batch: list[_Request], features: StepFeatures):
+        best, best_rate = shapes[0], -1.0
+        for shape, j in zip(shapes, columns, strict=True):
+            if j < 0:
+                tokens = len(batch)
+            else:
+                tokens = sum(int(r.trace.emitted[r.position, j]) for r in batch)
+            rate = tokens / machine.true_ms(features, shape)
+            if rate > best_rate:
+                best, best_rate = shape, rate
+        return best, False, _noop
+
+    return choose
+
+
+class ControllerChooser:
+    """The serving loop under test, driven as the SGLang worker drives it."""
+
+    def __init__(
+        self, controller: StepController, traces: TraceSet, clock: Callable[[], float]
+    ) -> None:
+        self.controller = controller
+        self.traces = traces
+        self.clock = clock
+        self.before_begin: Callable[[list[_Request]], None] | None = None
+        # False: a catch-up step costs what a step without speculation costs (the loss
+        # decomposition's switching variant).
+        self.charge_catch_up = True
+        self.refits = True  # hand the controller its refits, as the control poller would
+
+    def __call__(self, batch: list[_Request], features: StepFeatures):
+        if self.before_begin is not None:
+            self.before_begin(batch)
+        view = BatchView(
+            tuple(r.id for r in batch),
+            tuple(r.trace.prompt_len + r.position for r in batch),
+        )
+        ticket = self.controller.begin(view)
+        shape = ticket.decision.shape
+        catch_up = self.charge_catch_up and ticket.decision.source is DecisionSource.CATCH_UP
+        column = self.traces.column(shape) if shape.speculative else -1
+        positions = [r.position for r in batch]
+        traces = [r.trace for r in batch]
+
+        def done(ms: float, emitted: list[int]) -> None:
+            paths = None
+            if shape.speculative:
+                steps = shape.steps
+                pairs = list(zip(traces, positions, strict=True))
+                paths = AcceptedPathStats(
+                    np.stack([t.num_children[p, column, :steps] for t, p in pairs]),  # [B, S]
+                    np.stack([t.accepted_rank[p, column, :steps] for t, p in pairs]),
+                )
+            accepted = tuple(e - 1 for e in emitted)
+            self.controller.finish(ticket, StepOutcome(ms, accepted, self.clock(), paths))
+            update = self.controller.refit() if self.refits else None
+            if update is not None:
+                self.controller.apply(update)
+
+        return shape, catch_up, done
+
+
+def simulate(
+    traces: TraceSet,
+    profile: StepTimeProfile,
+    cfg: SimConfig,
+    make_chooser: Callable[[_Machine, Callable[[], float]], Chooser],
+    policy_name: str,
+    keep_timeline: bool = False,
+) -> RunResult:
+    """One run of ``cfg`` with the chooser ``make_chooser(machine, clock)`` builds."""
+    machine = _Machine(profile, cfg)
+    now = [0.0]
+    chooser = make_chooser(machine, lambda: now[0])
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(traces.requests)) if cfg.shuffle else range(len(traces.requests))
+    pending = collections.deque(
+        traces.requests[int(order[i % len(order)])] for i in range(cfg.num_requests)
+    )
+    arrivals = _ArrivalSchedule(cfg.arrivals, rng)
+    waiting: collections.deque[_Request] = collections.deque()
+    running: list[_Request] = []
+    finished: list[tuple[float, float, int]] = []  # (first token s, finish s, answer tokens)
+    emitted_total = steps = 0
+    request_steps = 0
+    decode_s = 0.0
+    shape_counts: collections.Counter[str] = collections.Counter()
+    timeline: list[tuple[float, str]] = []
+    serial = 0
+
+    def admit(at: float) -> None:
+        nonlocal serial
+        for t in arrivals.due(at):
+            if not pending:
+                return
+            trace = pending.popleft()
+            waiting.append(_Request(f"r{serial}", trace, t))
+            serial += 1
+
+    while pending or waiting or running:
+        admit(now[0])
+        if not running and not waiting:
+            next_t = arrivals.next_time(now[0])
+            if next_t is None or not pending:
+                break
+            # An idle machine waits; a bursts phase with clients starts a hair later.
+            now[0] = max(now[0], next_t) if next_t > now[0] else now[0] + 1e-3
+            continue
+        if waiting and len(running) < cfg.max_batch_size:
+            joining = []
+            while waiting and len(running) + len(joining) < cfg.max_batch_size:
+                joining.append(waiting.popleft())
+            machine.at(now[0])
+            now[0] += machine.prefill_ms(sum(r.trace.prompt_len for r in joining)) / 1000.0
+            for r in joining:
+                r.position = 1
+                r.first_token_s = now[0]
+                if r.trace.answer_len <= 1:
+                    finished.append((now[0], now[0], 1))
+                    arrivals.finished(now[0])
+                else:
+                    running.append(r)
+            continue
+        features = StepFeatures.from_context_lens(
+            [r.trace.prompt_len + r.position for r in running], _padding(profile)
+        )
+        machine.at(now[0])
+        shape, catch_up, done = chooser(running, features)
+        true_ms = machine.catch_up_ms(features) if catch_up else machine.true_ms(features, shape)
+        measured_ms = machine.measured(true_ms)
+        now[0] += measured_ms / 1000.0
+        decode_s += measured_ms / 1000.0
+        if shape.speculative:
+            j = traces.column(shape)
+            emitted = [int(r.trace.emitted[r.position, j]) for r in running]
+        else:
+            emitted = [1] * len(running)
+        done(measured_ms, emitted)
+        steps += 1
+        shape_counts[str(shape)] += 1
+        if keep_timeline:
+            timeline.append((now[0], str(shape)))
+        emitted_total += sum(emitted)
+        request_steps += len(running)
+        still = []
+        for r, e in zip(running, emitted, strict=True):
+            r.position += e
+            if r.position >= r.trace.answer_len:
+                finished.append((r.first_token_s, now[0], r.trace.answer_len))
+                arrivals.finished(now[0])
+            else:
+                still.append(r)
+        running = still
+    tpot = [(end - first) * 1000.0 / (n - 1) for first, end, n in finished if n > 1 and end > first]
+    output_tokens = sum(n for _, _, n in finished)
+    makespan = now[0]
+    return RunResult(
+        policy=policy_name,
+        goodput_tok_s=output_tokens / makespan if makespan > 0 else 0.0,
+        tpot_ms_p50=float(np.percentile(tpot, 50)) if tpot else 0.0,
+        tpot_ms_p99=float(np.percentile(tpot, 99)) if tpot else 0.0,
+        accept_len_mean=emitted_total / request_steps if request_steps else 0.0,
+        steps=steps,
+        shape_shares={s: n / steps for s, n in sorted(shape_counts.items())} if steps else {},
+        makespan_s=makespan,
+        output_tokens=output_tokens,
+        decode_s=decode_s,
+        decode_tokens=emitted_total,
+        timeline=tuple(timeline),
+    )
+
+
+def _padding(profile: StepTimeProfile) -> Any:
+    from sglang_adatree.core.features import NO_GRAPHS
+
+    return getattr(profile, "padding", NO_GRAPHS)
+
+
+class _ArrivalSchedule:
+    """Arrival times for ``Arrivals``, generated as the run goes (closed loops need finishes)."""
+
+    def __init__(self, arrivals: Arrivals, rng: np.random.Generator) -> None:
+        self.spec = arrivals
+        self.rng = rng
+        self.next_poisson = 0.0
+        self.recorded = sorted(arrivals.times)
+        # Closed loop: when each idle client sends its next request.
+        self.free_clients = [0.0] * arrivals.concurrency if arrivals.kind == "closed" else []
+        self.in_flight = 0  # requests sent and not finished (bursts cap it by the phase)
+        self.period = sum(s for s, _ in arrivals.bursts)
+
+    def finished(self, t: float) -> None:
+        self.in_flight -= 1
+        if self.spec.kind == "closed":
+            self.free_clients.append(t)
+
+    def due(self, now: float) -> list[float]:
+        """Arrival times at or before ``now`` not handed out yet."""
+        out: list[float] = []
+        kind = self.spec.kind
+        if kind == "closed":
+            self.free_clients.sort()
+            while self.free_clients and self.free_clients[0] <= now:
+                out.append(self.free_clients.pop(0))
+        elif kind == "poisson":
+            while self.next_poisson <= now:
+                out.append(self.next_poisson)
+                self.next_poisson += float(self.rng.exponential(1.0 / self.spec.rate_per_s))
+        elif kind == "recorded":
+            while self.recorded and self.recorded[0] <= now:
+                out.append(self.recorded.pop(0))
+        else:
+            clients = self._clients(now)
+            while self.in_flight + len(out) < clients:
+                out.append(now)
+        self.in_flight += len(out)
+        return out
+
+    def next_time(self, now: float) -> float | None:
+        """When the next request arrives, for an idle system at ``now``."""
+        kind = self.spec.kind
+        if kind == "closed":
+            return min(self.free_clients) if self.free_clients else None
+        if kind == "poisson":
+            return self.next_poisson
+        if kind == "recorded":
+            return self.recorded[0] if self.recorded else None
+        start = now - (now % self.period)  # the current round of phases
+        for _ in range(2):
+            for seconds, clients in self.spec.bursts:
+                if clients > 0 and start + seconds > now:
+                    return max(start, now)
+                start += seconds
+        return None
+
+    def _clients(self, t: float) -> int:
+        offset = t % self.period
+        for seconds, clients in self.spec.bursts:
+            if offset < seconds:
+                return clients
+            offset -= seconds
+        return self.spec.bursts[-1][1]
+
+
+def controller_chooser_factory(
+    config: AdaTreeConfig,
+    traces: TraceSet,
+    configure: Callable[[ControllerChooser, _Machine], None] | None = None,
+) -> Callable[[_Machine, Callable[[], float]], Chooser]:
+    """A ``make_chooser`` that builds a fresh controller for ``config``; ``configure`` may
+    replace its estimates (the decomposition's truth variants)."""
+
+    def make(machine: _Machine, clock: Callable[[], float]) -> Chooser:
+        padding = _padding(machine.profile)
+        chooser = ControllerChooser(StepController(config, padding=padding), traces, clock)
+        if configure is not None:
+            configure(chooser, machine)
+        return chooser
+
+    return make

@@ -1,0 +1,158 @@
+"""Where a scenario's traces and step-time profile come from, by name (``lab.scenarios``).
+
+Exact traces are built once per (pair, prompts, shapes, answer length) and cached under the data
+directory (``<home>/lab/traces``); parametric ones are drawn from a seed derived from the
+scenario's trace source, so every run of a scenario replays the same requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from sglang_adatree.core.shapes import TreeShape
+from sglang_adatree.lab.profiles import StepTimeProfile, TableProfile
+from sglang_adatree.lab.scenarios import (
+    DATA_DIR,
+    PARAMETRIC_PAIRS,
+    PARAMETRIC_SETS,
+    TRANSITION_PHASE,
+    Scenario,
+)
+from sglang_adatree.lab.traces import TraceSet, parametric_traces
+
+BUNDLED_DRAFTS = ("eagle-smollm2", "draft-smollm2")
+PARAMETRIC_REQUESTS = 64
+CPU_PROFILE = "cpu-2core"
+GPU_PROFILES = ("h100", "h200", "a100", "l4")
+
+
+class SourceError(ValueError):
+    """A trace source or profile name that does not resolve; the message says what does."""
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+
+
+def load_traces(
+    source: str,
+    shapes: Sequence[TreeShape],
+    answer_tokens: int,
+    home: Path,
+    progress: bool = True,
+    num_prompts: int = 32,
+) -> TraceSet:
+    """The trace set ``source`` names (``pair:set``), over ``shapes``; exact sets replay
+    ``num_prompts`` prompts of the set (parametric ones ``PARAMETRIC_REQUESTS`` requests)."""
+    pair, _, prompts = source.partition(":")
+    if not prompts:
+        raise SourceError(f"trace source {source!r}: expected PAIR:PROMPTS")
+    if pair in PARAMETRIC_PAIRS:
+        if prompts not in PARAMETRIC_SETS:
+            known = ", ".join(PARAMETRIC_SETS)
+            raise SourceError(f"parametric prompt set {prompts!r}: known {known}")
+        return _parametric(pair, prompts, tuple(shapes), answer_tokens)
+    if pair in BUNDLED_DRAFTS:
+        return _exact(pair, prompts, tuple(shapes), answer_tokens, home, progress, num_prompts)
+    known = ", ".join((*BUNDLED_DRAFTS, *PARAMETRIC_PAIRS))
+    raise SourceError(f"trace source {source!r}: unknown pair {pair!r}; known {known}")
+
+
+def _parametric(
+    pair: str, prompts: str, shapes: tuple[TreeShape, ...], answer_tokens: int
+) -> TraceSet:
+    spec = PARAMETRIC_PAIRS[pair]
+    classes = PARAMETRIC_SETS[prompts]
+    hazards = {c: spec.classes[c] for c in classes}
+    if prompts == "transition":
+        # Phases of TRANSITION_PHASE requests per class, in turn (the scenario keeps the order).
+        order = [
+            classes[(i // TRANSITION_PHASE) % len(classes)] for i in range(PARAMETRIC_REQUESTS)
+        ]
+        sets = [
+            parametric_traces(
+                prompts, spec.description, shapes, {c: hazards[c]}, num_requests=1,
+                answer_len=answer_tokens, seed=_seed(f"{pair}:{prompts}:{i}"),
+            ).requests[0]
+            for i, c in enumerate(order)
+        ]  # fmt: skip
+        return TraceSet(prompts, spec.description, "parametric", shapes, tuple(sets))
+    return parametric_traces(
+        prompts,
+        spec.description,
+        shapes,
+        hazards,
+        num_requests=PARAMETRIC_REQUESTS,
+        answer_len=answer_tokens,
+        seed=_seed(f"{pair}:{prompts}"),
+    )
+
+
+def _exact(
+    draft: str,
+    prompts: str,
+    shapes: tuple[TreeShape, ...],
+    answer_tokens: int,
+    home: Path,
+    progress: bool,
+    num_prompts: int,
+) -> TraceSet:
+    from sglang_adatree.lab.tracegen import build_traces
+    from sglang_adatree.models.paths import ModelPaths
+    from sglang_adatree.models.prepare import prepare_all
+    from sglang_adatree.tools.bench.workloads import load_workload
+
+    paths = ModelPaths(home)
+    prepare_all(paths)  # the bundled target and drafts in the data directory, once
+    draft_dir = paths.eagle_dir if draft == "eagle-smollm2" else paths.standalone_dir
+    # The prompts `adatree bench --prompts SET --num-requests N` sends (the same seeded draw),
+    # so a served run and its replay see the same requests.
+    workload = load_workload(prompts, num_prompts)
+    return build_traces(
+        list(dict.fromkeys(workload.prompts)),
+        name=workload.name,
+        target=paths.target_dir,
+        draft=draft_dir,
+        shapes=shapes,
+        max_new_tokens=answer_tokens,
+        cache_dir=home / "lab" / "traces",
+        progress=progress,
+    )
+
+
+def load_profile(name: str, shapes: Sequence[TreeShape]) -> StepTimeProfile:
+    """The step-time profile ``name`` names (``lab.scenarios``), covering ``shapes``."""
+    if name.startswith("db:"):
+        from sglang_adatree.lab.measured import profile_from_telemetry
+
+        return profile_from_telemetry(name[3:], shapes=tuple(shapes))
+    committed = DATA_DIR / f"{name}.json"
+    if committed.is_file():
+        return _covering(TableProfile.load(committed), shapes)
+    if name in GPU_PROFILES:
+        from sglang_adatree.lab.hardware import analytic_gpu_profile
+
+        return _covering(analytic_gpu_profile(name, tuple(shapes)), shapes)
+    known = sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(GPU_PROFILES))
+    raise SourceError(f"profile {name!r}: known {', '.join(known)} or db:URL")
+
+
+def _covering(profile: TableProfile, shapes: Sequence[TreeShape]) -> TableProfile:
+    missing = [str(s) for s in shapes if s not in profile.shapes]
+    if missing:
+        raise SourceError(f"profile {profile.name} has no step times for {', '.join(missing)}")
+    return profile
+
+
+def scenario_key(scenario: Scenario) -> str:
+    """A stable digest of what a scenario replays, for caching results."""
+    payload = {
+        "traces": scenario.traces,
+        "profile": scenario.profile,
+        "answer": scenario.answer_tokens,
+        "shapes": [str(s) for s in scenario.candidates],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
