@@ -52,7 +52,8 @@ def test_a_run_is_a_pure_function_of_its_inputs():
     a = simulate(TRACES, profile(), sim, make, "adatree", keep_timeline=True)
     b = simulate(TRACES, profile(), sim, make, "adatree", keep_timeline=True)
     assert a == b and a.timeline == b.timeline
-    c = simulate(TRACES, profile(), SimConfig(sim.arrivals, 12, 0.05, 0.1, seed=1), make, "x")
+    other = SimConfig(sim.arrivals, 12, noise=0.05, drift=0.1, seed=1)
+    c = simulate(TRACES, profile(), other, make, "x")
     assert c.goodput_tok_s != a.goodput_tok_s
 
 

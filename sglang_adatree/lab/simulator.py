@@ -102,6 +102,12 @@ class SimConfig:
     seed: int = 0
     shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
 
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or not isinstance(self.max_batch_size, int):
+            raise ValueError(f"need >= 1 request and an integer batch limit: {self}")
+        if self.max_batch_size < 1 or self.noise < 0 or self.drift < 0:
+            raise ValueError(f"batch limit >= 1, noise and drift >= 0: {self}")
+
 
 @dataclass(frozen=True)
 class RunResult:
