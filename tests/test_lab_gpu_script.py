@@ -1,0 +1,44 @@
+"""``scripts/gpu_step_profile.py`` runs: with ``--tiny`` on this CPU, in a subprocess (scripts are
+never imported), and writes a measured profile of the default shapes that loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.lab.profiles import TableProfile
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_script_writes_a_profile_on_a_cpu(tmp_path):
+    out = tmp_path / "tiny.json"
+    command = [sys.executable, "scripts/gpu_step_profile.py", "--tiny", "--repeats", "3",
+               "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "passes measured" in done.stdout
+
+    profile = TableProfile.load(out)
+    assert profile.source == "measured"
+    assert profile.made_by.startswith("python scripts/gpu_step_profile.py --tiny --repeats 3")
+    assert "cpu" in profile.made_by
+    assert profile.shapes == DEFAULT_CANDIDATES
+    assert profile.batch_sizes == (1, 2) and profile.context_lens == (16, 48)
+    notes = profile.notes
+    assert notes["device"] == "cpu" and notes["graphs"] is False
+    assert notes["passes_measured"] == 72 and notes["passes_filled"] == 0
+    # Every pass a default shape needs, each kind at each grid point.
+    kinds = {(kind, tokens) for kind, _, tokens, _, _ in notes["pass_ms"]}
+    assert ("target", 1) in kinds and ("target", 16) in kinds
+    assert {t for k, t in kinds if k == "draft"} == {1, 2, 4}
+    # The deepest tree runs seven passes and the tree's kernels to the plain step's one pass
+    # (a looser check than every shape: other processes share this CPU's timings).
+    deep = profile.ms[profile.shapes.index(TreeShape(6, 4, 16))]
+    assert np.all(deep > profile.ms[profile.shapes.index(NO_SPEC)])
