@@ -3,10 +3,11 @@
 Off unless ``ADATREE_PROFILE_PATH`` names a file. Then every ``ModelRunner.forward`` call (the
 target's verify pass, each draft pass, the draft extend) is timed, and the worker appends one
 JSON line per decode step to that file: the shape, the decision's source, the emitted tokens
-per request (speculative steps), the batch size, the step's wall time and the part of it spent
-inside model forwards, all of them and the draft's. ``adatree profile`` reads these lines to
-report the overhead of the speculative machinery around the models, and the served step times
-and acceptance a model card can quote (``adatree models evaluate --card --served``).
+per request (speculative steps), the batch size and its summed context length, the step's wall
+time and the part of it spent inside model forwards, all of them and the draft's. ``adatree
+profile`` reads these lines to report the overhead of the speculative machinery around the
+models, the served step times and acceptance a model card can quote (``adatree models evaluate
+--card --served``), and a step-time profile of the policy lab (``--profile-out``).
 
 Forward times are host wall time, which on a CPU is the computation itself; on a GPU they
 would only cover kernel launches, so the profile is a CPU tool.
@@ -83,6 +84,7 @@ class StepProfiler:
         step_s: float,
         source: str = "",
         emitted: float | None = None,
+        sum_context_len: int | None = None,
     ) -> None:
         if self._file is None:
             return
@@ -91,6 +93,7 @@ class StepProfiler:
             "source": source,  # the decision's: a catch-up step is no speculation plus an extend
             "emitted": emitted,  # tokens per request, speculative steps only
             "batch_size": batch_size,
+            "sum_context_len": sum_context_len,  # prompt + output tokens of the batch's requests
             "step_ms": step_s * 1000.0,
             "forward_ms": (ForwardClock.seconds - self._forward_s) * 1000.0,
             "draft_forward_ms": (ForwardClock.draft_seconds - self._draft_s) * 1000.0,

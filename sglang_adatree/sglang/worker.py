@@ -349,7 +349,12 @@ class AdaTreeWorkerMixin:
                 if shape.speculative and getattr(output, "accept_lens", None) is not None:
                     emitted = float(output.accept_lens.float().mean())
                 self._profiler.end(
-                    str(shape), len(batch.reqs), finished - started, str(plan.source), emitted
+                    str(shape),
+                    len(batch.reqs),
+                    finished - started,
+                    str(plan.source),
+                    emitted,
+                    sum(view.context_lens),
                 )
         launched = LaunchedStep(ticket, started, finished, start_event, end_event, paths)
         setattr(output, LAUNCHED_ATTR, launched)

@@ -12,6 +12,13 @@ Two measurements, each on real SGLang servers started one at a time:
   the draft extend) and the tokens it emitted; the report gives per shape the median step
   time, forward time and their ratio (the overhead of the speculative machinery around the
   models) and the mean emitted tokens.
+
+With ``--concurrency 1,2,4`` the shapes' server is driven at each of those concurrencies in turn
+(``--requests`` requests each, that many in flight), so steps run at batch sizes up to the
+largest; the report above still reads the batch-size-1 steps. ``--profile-out FILE.json``
+writes every logged step as the policy lab's step-time profile
+(``lab.measured.profile_from_served_steps``: a ``TableProfile`` over batch size and context per
+shape, ``source`` "measured", ``made_by`` this command and the date).
 """
 
 from __future__ import annotations
@@ -19,12 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from datetime import date
 from pathlib import Path
 
 import requests
@@ -35,6 +46,7 @@ from sglang_adatree.models.paths import TOKEN_MAP_FILE
 from sglang_adatree.tools.bench.configurations import CPU_SERVER_FLAGS
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
+STEP_LOG = "steps.jsonl"  # the shapes' server's step log, in the work dir
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument(
+        "--concurrency",
+        type=parse_concurrency,
+        help="drive the shapes' server at these concurrencies in turn, e.g. '1,2,4' "
+        "(--requests each; default: one request at a time)",
+    )
+    parser.add_argument(
+        "--profile-out",
+        type=Path,
+        help="write every logged step as a step-time profile of the policy lab (JSON)",
+    )
     parser.add_argument("--work-dir", type=Path, help="server logs (default: a temp dir)")
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; each at least 1."""
+    try:
+        levels = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: integers like 1,2,4") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: integers >= 1, like 1,2,4")
+    return levels
 
 
 def _chat(tokenizer, prompt: str) -> str:
@@ -200,13 +234,17 @@ def measure_shapes(
     new_tokens: int,
     threads: int,
     work_dir: Path,
+    concurrency: Sequence[int] = (1,),
 ) -> list[ShapeProfile]:
+    """Per-shape medians at batch size 1 (``summarize_profile``); every step stays logged in
+    ``work_dir / STEP_LOG``. At each of ``concurrency`` the prompts run with that many in
+    flight."""
     from transformers import AutoTokenizer
 
     from sglang_adatree.tools.bench.servers import free_port, running_server
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    profile_path = work_dir / "steps.jsonl"
+    profile_path = work_dir / STEP_LOG
     profile_path.unlink(missing_ok=True)
     port = free_port()
     command = [
@@ -232,9 +270,15 @@ def measure_shapes(
     with running_server(command, env, port, work_dir / "adatree-server.log") as server:
         _generate(server.url, _chat(tokenizer, prompts[0]), 8)
         profile_path.write_text("")  # drop the warm-up request's steps
-        for i, prompt in enumerate(prompts):
-            _generate(server.url, _chat(tokenizer, prompt), new_tokens)
-            print(f"  request {i + 1}/{len(prompts)} done", flush=True)
+        texts = [_chat(tokenizer, p) for p in prompts]
+        for level in concurrency:
+            if tuple(concurrency) != (1,):
+                print(f"  concurrency {level}:", flush=True)
+            with ThreadPoolExecutor(max_workers=level) as pool:
+                running = [pool.submit(_generate, server.url, t, new_tokens) for t in texts]
+                for i, done in enumerate(as_completed(running)):
+                    done.result()
+                    print(f"  request {i + 1}/{len(prompts)} done", flush=True)
     return summarize_profile(profile_path)
 
 
@@ -271,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
             "cpu": cpu_name(),
         },
     }
+    if args.concurrency:
+        result["settings"]["concurrency"] = list(args.concurrency)
     if args.baseline:
         print("non-speculative SGLang against transformers (interleaved):", flush=True)
         base = measure_baseline(target, prompts, args.new_tokens, args.threads, work_dir)
@@ -280,8 +326,9 @@ def run(args: argparse.Namespace) -> int:
             f"tok/s: ratio {base.ratio:.2f}"
         )
     print(f"shape profile ({args.shapes}), batch size 1:", flush=True)
+    concurrency = args.concurrency or (1,)
     profiles = measure_shapes(
-        target, draft, args.shapes, prompts, args.new_tokens, args.threads, work_dir
+        target, draft, args.shapes, prompts, args.new_tokens, args.threads, work_dir, concurrency
     )
     result["shapes"] = [asdict(p) for p in profiles]
     print(
@@ -296,5 +343,28 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+    if args.profile_out:
+        write_step_profile(work_dir / STEP_LOG, args.profile_out, args, cpu_name())
     print(f"server logs: {work_dir}")
     return 0
+
+
+def write_step_profile(step_log: Path, out: Path, args: argparse.Namespace, cpu: str) -> None:
+    """The logged steps as a ``TableProfile`` named after ``out`` (e.g. ``cpu-2core-eagle``)."""
+    from sglang_adatree.lab.measured import profile_from_served_steps
+
+    command = "adatree " + shlex.join(sys.argv[1:])
+    profile = profile_from_served_steps(
+        step_log,
+        made_by=f"{command} ({date.today().isoformat()})",
+        name=out.stem,
+        shapes=parse_candidates(args.shapes),
+        notes={"cpu": cpu, "threads": args.threads, "draft": args.draft or "eagle"},
+    )
+    profile.save(out)
+    notes = profile.notes
+    print(
+        f"step-time profile: {out} ({notes['rows']} steps; cells measured "
+        f"{notes['cells_measured']}, filled {notes['cells_filled']}; batch sizes "
+        f"{list(profile.batch_sizes)}, contexts {list(profile.context_lens)})"
+    )
