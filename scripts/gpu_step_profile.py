@@ -1,7 +1,7 @@
 """Measure a GPU's decode passes for a Llama-3.1-8B-shaped target and a one-layer EAGLE-style
 head, and write the policy lab's step-time profile of the default candidate shapes.
 
-Torch only (and this package's lab modules, for the shapes, the composition and the JSON): random
+Torch and NumPy only (and this package's lab modules: the shapes, the composition, the JSON): random
 bf16 weights, nothing downloaded, no SGLang. The passes a decode step runs
 (``sglang_adatree.lab.passes``), each timed with CUDA events around a CUDA-graph replay, warm-up
 first, then the median of ``--repeats``:
@@ -24,7 +24,8 @@ time budget (``--budget-s``) that runs out leaves the largest ones; a cell that 
 below it at the same pass, tokens and context, scaled by the batch ratio. ``notes`` count them
 and keep every pass time.
 
-Usage (about 3 minutes on one H200, at most ``--budget-s`` plus the last pass's time):
+Usage (on one H200 an estimated 3 minutes, not yet timed there; measuring stops at
+``--budget-s``, default 540 s, so a run ends within 10 minutes):
 
     PYTHONPATH=. python scripts/gpu_step_profile.py --out h200-measured.json
 
@@ -323,9 +324,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-graphs", action="store_true", help="time eager passes")
     parser.add_argument("--name", help="the profile's name (default: from the device)")
+    parser.add_argument(
+        "--kv-tokens", type=int, help="cap the KV cache (tokens per layer; default: what fits)"
+    )
     args = parser.parse_args()
-    if args.repeats < 1 or args.warmup < 0 or args.budget_s <= 0:
-        parser.error("--repeats must be >= 1, --warmup >= 0, --budget-s > 0")
+    if args.repeats < 1 or args.warmup < 0 or args.budget_s <= 0 or (args.kv_tokens or 1) < 1:
+        parser.error("--repeats and --kv-tokens must be >= 1, --warmup >= 0, --budget-s > 0")
     deadline = time.monotonic() + args.budget_s
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
@@ -338,7 +342,6 @@ def main() -> None:
     needed = max(b * (c + max(max(t) for t in tokens.values())) for b in batches for c in contexts)
     max_tokens = needed
     if on_gpu:
-        torch.cuda.set_device(torch.device(device))
         total = torch.cuda.get_device_properties(device).total_memory
         params = (dims.layers + 1) * dims.layer_params() + 2 * dims.hidden * (
             dims.vocab + dims.hidden
@@ -347,6 +350,8 @@ def main() -> None:
         per_token = (dims.layers + 1) * dims.kv_bytes_per_token_layer
         budget = total - weights - RESERVE_GIB * 2**30
         max_tokens = max(1, min(needed, int(budget // per_token)))
+    if args.kv_tokens:
+        max_tokens = min(max_tokens, args.kv_tokens)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"{device_name}: KV cache of {max_tokens} tokens per layer; passes {tokens}", flush=True)
     torch.manual_seed(0)
