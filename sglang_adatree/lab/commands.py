@@ -22,11 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from sglang_adatree.config import ConfigError, load_config
 from sglang_adatree.lab import report, sources
 from sglang_adatree.lab.runner import run_scenario
 from sglang_adatree.lab.scenarios import GRIDS, Scenario, all_scenarios
 from sglang_adatree.lab.sources import SourceError
+from sglang_adatree.telemetry.store import SchemaError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                     result,
                 )
             )
-    except (SourceError, ConfigError, ValueError, FileNotFoundError) as exc:
+    except (SourceError, ConfigError, SchemaError, SQLAlchemyError, ValueError, OSError) as exc:
         print(f"adatree simulate: {exc}", file=sys.stderr, flush=True)
         return 2
     print(report.table(replayed))

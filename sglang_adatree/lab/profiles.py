@@ -41,9 +41,10 @@ class StepTimeProfile(Protocol):
     def step_ms(self, features: StepFeatures, shape: TreeShape) -> float: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TableProfile:
-    """Step times on a grid; see the module docstring."""
+    """Step times on a grid; see the module docstring. Compared by identity (it holds an
+    array)."""
 
     name: str  # e.g. "cpu-2core", "h100-llama8b"
     source: str  # one of SOURCES

@@ -14,8 +14,8 @@ its load. Trace sources:
   ``transition``).
 
 Profiles: ``cpu-2core`` (measured on this project's 2-core development CPU with the bundled
-pair, ``lab/data/``), ``h100`` / ``h200`` / ``a100`` / ``l4`` (``lab.hardware``: analytic unless a
-measured GPU profile is in ``lab/data/``), ``db:URL`` (``lab.measured``).
+pair, ``lab/data/``), ``h100-sxm`` / ``h200-sxm`` / ``a100-sxm-80gb`` / ``l4`` (``lab.hardware``:
+analytic unless a measured GPU profile is in ``lab/data/``), ``db:URL`` (``lab.measured``).
 """
 
 from __future__ import annotations
@@ -117,37 +117,37 @@ def default_grid() -> tuple[Scenario, ...]:
     grid = [
         # Load: one GPU, one pair, rising concurrency, open-loop rates and bursts.
         *(
-            Scenario(f"load-h100-c{c}", "load", e3, "h100", _closed(c, max(32, 4 * c), **NOISE))
+            Scenario(f"load-h100-c{c}", "load", e3, "h100-sxm", _closed(c, max(32, 4 * c), **NOISE))
             for c in (1, 4, 16, 64)
         ),
         Scenario(
             "load-h100-poisson-4",
             "load",
             e3,
-            "h100",
+            "h100-sxm",
             SimConfig(Arrivals("poisson", rate_per_s=4.0), num_requests=96, **NOISE),
         ),
         Scenario(
             "load-h100-bursts",
             "load",
             e3,
-            "h100",
+            "h100-sxm",
             SimConfig(
                 Arrivals("bursts", bursts=((20.0, 32), (20.0, 1))), num_requests=128, **NOISE
             ),
         ),
         # Request characteristics.
-        Scenario("requests-h100-code-c4", "requests", "eagle3-llama8b:code", "h100",
+        Scenario("requests-h100-code-c4", "requests", "eagle3-llama8b:code", "h100-sxm",
                  _closed(4, 32, **NOISE)),
-        Scenario("requests-h100-mixed-c4", "requests", "eagle3-llama8b:mixed", "h100",
+        Scenario("requests-h100-mixed-c4", "requests", "eagle3-llama8b:mixed", "h100-sxm",
                  _closed(4, 48, **NOISE)),
-        Scenario("requests-h100-transition-c1", "requests", "eagle3-llama8b:transition", "h100",
+        Scenario("requests-h100-transition-c1", "requests", "eagle3-llama8b:transition", "h100-sxm",
                  SimConfig(Arrivals("closed", concurrency=1), num_requests=32, shuffle=False,
                            **NOISE)),
         # Models: the older head on the same GPU; the bundled pairs on this CPU.
-        Scenario("models-h100-eagle2-c1", "models", "eagle2-llama8b:chat", "h100",
+        Scenario("models-h100-eagle2-c1", "models", "eagle2-llama8b:chat", "h100-sxm",
                  _closed(1, 32, **NOISE)),
-        Scenario("models-h100-eagle2-c16", "models", "eagle2-llama8b:chat", "h100",
+        Scenario("models-h100-eagle2-c16", "models", "eagle2-llama8b:chat", "h100-sxm",
                  _closed(16, 64, **NOISE)),
         Scenario("models-cpu-eagle-mtbench-c1", "models", "eagle-smollm2:mtbench", "cpu-2core",
                  _closed(1, 24, **CPU_NOISE), answer_tokens=64),
@@ -162,8 +162,14 @@ def default_grid() -> tuple[Scenario, ...]:
                  _closed(1, 24, **CPU_NOISE), answer_tokens=64),
         # GPUs: the same pair and loads on every profile.
         *(
-            Scenario(f"gpus-{gpu}-c{c}", "gpus", e3, gpu, _closed(c, max(32, 4 * c), **NOISE))
-            for gpu in ("h200", "a100", "l4")
+            Scenario(
+                f"gpus-{gpu.split('-')[0]}-c{c}",
+                "gpus",
+                e3,
+                gpu,
+                _closed(c, max(32, 4 * c), **NOISE),
+            )
+            for gpu in ("h200-sxm", "a100-sxm-80gb", "l4")
             for c in (1, 32)
         ),
     ]  # fmt: skip
@@ -173,9 +179,9 @@ def default_grid() -> tuple[Scenario, ...]:
 def smoke_grid() -> tuple[Scenario, ...]:
     """Small scenarios on parametric traces and analytic profiles: seconds, for CI."""
     return (
-        Scenario("smoke-h100-c1", "load", "eagle3-llama8b:chat", "h100",
+        Scenario("smoke-h100-c1", "load", "eagle3-llama8b:chat", "h100-sxm",
                  _closed(1, 4, **NOISE), answer_tokens=64),
-        Scenario("smoke-h100-c8", "load", "eagle3-llama8b:mixed", "h100",
+        Scenario("smoke-h100-c8", "load", "eagle3-llama8b:mixed", "h100-sxm",
                  _closed(8, 16, **NOISE), answer_tokens=64),
     )  # fmt: skip
 

@@ -26,7 +26,6 @@ from sglang_adatree.lab.traces import TraceSet, parametric_traces
 BUNDLED_DRAFTS = ("eagle-smollm2", "draft-smollm2")
 PARAMETRIC_REQUESTS = 64
 CPU_PROFILE = "cpu-2core"
-GPU_PROFILES = ("h100", "h200", "a100", "l4")
 
 
 class SourceError(ValueError):
@@ -129,14 +128,14 @@ def load_profile(name: str, shapes: Sequence[TreeShape]) -> StepTimeProfile:
         from sglang_adatree.lab.measured import profile_from_telemetry
 
         return profile_from_telemetry(name[3:], shapes=tuple(shapes))
+    from sglang_adatree.lab.hardware import GPUS, analytic_gpu_profile
+
     committed = DATA_DIR / f"{name}.json"
     if committed.is_file():
         return _covering(TableProfile.load(committed), shapes)
-    if name in GPU_PROFILES:
-        from sglang_adatree.lab.hardware import analytic_gpu_profile
-
+    if name in GPUS:
         return _covering(analytic_gpu_profile(name, tuple(shapes)), shapes)
-    known = sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(GPU_PROFILES))
+    known = sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(GPUS))
     raise SourceError(f"profile {name!r}: known {', '.join(known)} or db:URL")
 
 
