@@ -19,16 +19,12 @@ import numpy as np
 
 from sglang_adatree.core.features import COLUMN, GraphPadding, StepFeatures
 from sglang_adatree.core.shapes import TreeShape
+from sglang_adatree.lab.passes import SPEC_GRAPH_PADDING
 
 TILE_TOKENS = 64
-# Decode capture sizes like those SGLang 0.5.23 uses when speculating on an H100-class GPU:
-# every size to 8, then steps of 2, 4, 8 and 16; what a GPU engine would report.
-GPU_PADDING = GraphPadding(
-    tuple(range(1, 9))
-    + tuple(range(10, 33, 2))
-    + tuple(range(40, 65, 4))
-    + tuple(range(72, 257, 8))
-)
+# The decode capture sizes SGLang 0.5.23 uses when speculating on an H100-class GPU, as a GPU
+# engine would report them.
+GPU_PADDING = SPEC_GRAPH_PADDING
 
 
 @dataclass(frozen=True)

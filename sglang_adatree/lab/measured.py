@@ -38,7 +38,7 @@ from sqlalchemy import URL, Engine, select
 
 from sglang_adatree.core.cost_model import MIN_STEP_MS, AnalyticStepTime
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, build_feature_matrix
-from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.policy import teaches_cost_model
 from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.lab.profiles import TableProfile
 from sglang_adatree.telemetry.learning import learnable
@@ -293,7 +293,8 @@ def read_step_log(path: Path) -> MeasuredSteps:
         if not line.strip():
             continue
         row = json.loads(line)
-        if row.get("source") == DecisionSource.CATCH_UP or row.get("forward_ms", 0.0) <= 0:
+        source = row.get("source") or "model"
+        if not teaches_cost_model(source, row.get("step_ms")) or row.get("forward_ms", 0.0) <= 0:
             continue
         if row.get("sum_context_len") is None:
             continue

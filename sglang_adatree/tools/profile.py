@@ -40,7 +40,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.policy import teaches_cost_model
 from sglang_adatree.core.shapes import parse_candidates
 from sglang_adatree.models.paths import TOKEN_MAP_FILE
 from sglang_adatree.tools.bench.configurations import CPU_SERVER_FLAGS
@@ -205,7 +205,7 @@ def summarize_profile(path: Path) -> list[ShapeProfile]:
         if (
             row["batch_size"] == 1
             and row["forward_ms"] > 0
-            and row.get("source") != DecisionSource.CATCH_UP
+            and teaches_cost_model(row.get("source") or "model", row.get("step_ms"))
         ):
             by_shape[row["shape"]].append(row)
     out = []
