@@ -8,15 +8,16 @@ The loss decomposition replaces adatree's estimates with the truth one at a time
 and charges each step's gain in goodput to what it replaced:
 
 1. acceptance: the acceptance estimator answers with the batch's true mean emitted tokens per
-   shape (read from the traces at each request's position);
+   shape, each request's own mean over its answer (the traces') rather than the estimate;
 2. step time: the cost model answers with the profile's true step time (the machine's speed
    included, the per-step noise not), and is no longer refitted;
 3. exploration: no warm-up and no exploring steps;
 4. switching: no hysteresis (``min_gain`` 0) and catch-up steps cost what a step without
    speculation costs.
 
-What is left to the per-step oracle after all four is the greedy rule itself (each step the best
-rate for the batch in front of it) and batch effects no per-step estimate removes.
+What is left to the per-step oracle after all four ("rest") is what only it knows: how lucky the
+position at hand is for each request (a draft that gets this token right or not), and batch
+effects no per-step estimate removes.
 """
 
 from __future__ import annotations
@@ -62,19 +63,30 @@ class ScenarioResult:
 
 
 class _TruthAcceptance:
-    """The batch's true mean emitted tokens per shape, as an acceptance estimator answers."""
+    """What an acceptance estimator could know at best without seeing the future: each
+    request's own mean emitted tokens per shape over its answer (not the luck of the position
+    at hand, which only the per-step oracle knows), averaged over the batch."""
 
     def __init__(self, traces: TraceSet) -> None:
         self.traces = traces
         self.batch: list[Any] = []
+        # request id -> [shapes of the set] mean emitted over the answer's decode steps
+        self._means: dict[str, np.ndarray] = {}
         self._columns: dict[TreeShape, int] = {}
 
+    def _mean(self, trace: Any) -> np.ndarray:
+        means = self._means.get(trace.request_id)
+        if means is None:
+            rows = trace.emitted[1:] if trace.answer_len > 1 else trace.emitted
+            means = self._means[trace.request_id] = rows.mean(axis=0)
+        return means
+
     def expected_emitted_many(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        means = np.mean([self._mean(r.trace) for r in self.batch], axis=0)  # [set's shapes]
         out = np.ones(len(shapes))
         for i, shape in enumerate(shapes):
             if shape.speculative:
-                j = self._columns.setdefault(shape, self.traces.column(shape))
-                out[i] = np.mean([r.trace.emitted[r.position, j] for r in self.batch])
+                out[i] = means[self._columns.setdefault(shape, self.traces.column(shape))]
         return out
 
     def expected_emitted(self, shape: TreeShape) -> float:
