@@ -185,6 +185,23 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 1e6,
     ),
     Setting(
+        "request_prior_steps",
+        2.0,
+        "[0, 1e6]",
+        "pseudo-steps at the estimator's acceptance behind each request's own acceptance "
+        "factor (large: every request is the estimator's)",
+        _float,
+        lambda v: 0.0 <= v <= 1e6,
+    ),
+    Setting(
+        "request_keep",
+        0.8,
+        "[0, 1)",
+        "weight a request's older verify steps keep per step in its acceptance factor",
+        _float,
+        lambda v: 0.0 <= v < 1.0,
+    ),
+    Setting(
         "residual_decay",
         0.05,
         "(0, 1]",
@@ -277,6 +294,8 @@ class AdaTreeConfig:
     acceptance_decay: float = DEFAULTS["acceptance_decay"]
     acceptance_prior: float = DEFAULTS["acceptance_prior"]
     acceptance_prior_weight: float = DEFAULTS["acceptance_prior_weight"]
+    request_prior_steps: float = DEFAULTS["request_prior_steps"]
+    request_keep: float = DEFAULTS["request_keep"]
     residual_decay: float = DEFAULTS["residual_decay"]
     skip_idle_draft_extend: bool = DEFAULTS["skip_idle_draft_extend"]
     db_url: str | None = DEFAULTS["db_url"]

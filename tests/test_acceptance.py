@@ -121,8 +121,10 @@ def test_prior_fades_at_batch_size_one():
         run_synthetic(est, TreeShape(1, 1, 2), np.full((1, 1), 0.2), steps=25, batch=1, seed=seed)
         hazards.append(est.hazards()[0, 0])
     assert np.mean(hazards) == pytest.approx(0.2, abs=0.04)
-    # Never measured cells keep the prior.
-    assert est.hazards()[1, 0] == pytest.approx(0.6)
+    # A depth never measured takes the one above as its prior: the draft's measured 0.2, not
+    # the configured prior's 0.6.
+    assert est.hazards()[1, 0] == pytest.approx(est.hazards()[0, 0])
+    assert est.hazards()[5, 0] == pytest.approx(est.hazards()[0, 0])
 
 
 def test_expected_emitted_matches_the_eagle2_reference():

@@ -272,12 +272,22 @@ class AcceptanceEstimator:
 
     def _posterior(self, counts: _Counts, prior: np.ndarray) -> np.ndarray:
         """``[MAX_STEPS, MAX_TOPK]`` hazards: counts plus the prior's remaining
-        pseudo-observations (``prior_weight``, decayed as the cell's counts were)."""
+        pseudo-observations (``prior_weight``, decayed as the cell's counts were).
+
+        The prior of depth ``d + 1`` is the posterior of depth ``d``: a draft accepts deep
+        tokens about as well as shallow ones, and deep cells are measured only by the deep trees
+        that reach them, so a fixed prior there would keep those trees priced by it long after
+        the shallow depths showed what this draft does."""
         w = self.prior_weight * counts.prior_keep  # [MAX_STEPS, MAX_TOPK]
         trials = counts.trials + w
         safe = np.where(trials > 0, trials, 1.0)
-        # A cell never measured under prior weight 0 has no data: it keeps the prior.
-        return np.where(trials > 0, (counts.accepts + w * prior) / safe, prior)
+        out = np.empty_like(prior)
+        above = prior[0]
+        for d in range(prior.shape[0]):
+            # A cell never measured under prior weight 0 has no data: it keeps its prior.
+            out[d] = np.where(trials[d] > 0, (counts.accepts[d] + w[d] * above) / safe[d], above)
+            above = out[d]
+        return out
 
     def hazards(self) -> np.ndarray:
         """``[MAX_STEPS, MAX_TOPK]`` hazard estimates as of the last refresh."""
@@ -365,3 +375,66 @@ class AcceptanceEstimator:
             layers.append(children)
             frontier = np.sort(children)[::-1][:topk]
         return layers
+
+
+@dataclass
+class _RequestEvidence:
+    ratio_sum: float = 0.0  # decayed sum of accepted / expected accepted over verify steps
+    weight: float = 0.0  # decayed number of those steps
+    seen: int = 0  # the observation counter when last seen
+
+
+class RequestAcceptance:
+    """How each request accepts relative to the estimator: a factor on its expected accepted
+    draft tokens.
+
+    Acceptance varies by prompt far more than by position inside one answer: a batch's expected
+    emitted tokens under a shape is the mean over its requests of ``1 + f_r * (E(shape) - 1)``,
+    ``E`` the estimator's expected emitted tokens. A request's factor ``f_r`` is the ratio of the
+    draft tokens it accepted to those the estimator expected of it, over its recent verify steps
+    (each older step's weight kept ``keep`` per step), shrunk towards 1 by ``prior_steps``
+    pseudo-steps: a new request is the estimator's, a few steps make it its own. The batch needs
+    only the mean factor, since the expectation is linear in it.
+    """
+
+    def __init__(self, prior_steps: float, keep: float, max_requests: int = 4096) -> None:
+        if prior_steps < 0 or not 0.0 <= keep < 1.0:
+            raise ValueError(f"bad request acceptance settings: {prior_steps=}, {keep=}")
+        self.prior_steps = prior_steps
+        self.keep = keep
+        self.max_requests = max_requests
+        self._evidence: dict[str, _RequestEvidence] = {}
+        self._counter = 0
+
+    def factor(self, request_id: str) -> float:
+        e = self._evidence.get(request_id)
+        if e is None:
+            return 1.0
+        return (e.ratio_sum + self.prior_steps) / (e.weight + self.prior_steps)
+
+    def batch_factor(self, request_ids: Sequence[str]) -> float:
+        """The mean factor over a batch (1.0 for requests never observed)."""
+        if not request_ids:
+            return 1.0
+        return sum(self.factor(r) for r in request_ids) / len(request_ids)
+
+    def observe(self, request_ids: Sequence[str], accepted: Any, expected: float) -> None:
+        """One verify step: ``accepted`` ``[batch]`` draft tokens each request accepted, where
+        the estimator expected ``expected`` of each."""
+        if expected <= 0:
+            return
+        self._counter += 1
+        counts = np.asarray(accepted, dtype=np.float64)  # [batch]
+        assert counts.shape == (len(request_ids),), f"{counts.shape} for {len(request_ids)} ids"
+        for request_id, a in zip(request_ids, counts.tolist(), strict=True):
+            e = self._evidence.get(request_id)
+            if e is None:
+                e = self._evidence[request_id] = _RequestEvidence()
+            e.ratio_sum = self.keep * e.ratio_sum + a / expected
+            e.weight = self.keep * e.weight + 1.0
+            e.seen = self._counter
+        if len(self._evidence) > self.max_requests:
+            # Requests that left (finished, aborted) stop being seen: forget the oldest half.
+            by_age = sorted(self._evidence.items(), key=lambda kv: kv[1].seen)
+            for request_id, _ in by_age[: len(by_age) // 2]:
+                del self._evidence[request_id]

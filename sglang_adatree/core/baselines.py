@@ -165,7 +165,7 @@ class TurboSpecPolicy(_ChainBaseline):
             best = 0
         return self.shapes[best], float(times[best]), float(emitted[best])
 
-    def decide(self, features: StepFeatures) -> Decision:
+    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
         """Pin, else the chain chosen at the last refresh (every 20 steps)."""
         step = self.step
         self.step += 1
@@ -184,8 +184,10 @@ class TurboSpecPolicy(_ChainBaseline):
         shape: TreeShape,
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
+        request_ids: Sequence[str] = (),
     ) -> None:
-        """Step time to the cost model; accepted / drafted into the global EMA."""
+        """Step time to the cost model; accepted / drafted into the global EMA (one rate for
+        every request, as TurboSpec keeps)."""
         self.cost_model.observe(features, shape, measured_ms)
         if stats is None or not shape.speculative:
             return
@@ -285,7 +287,7 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         i = bisect.bisect_right(self.slot_sizes, batch_size) - 1
         return self.slots[self.slot_sizes[max(0, i)]]
 
-    def decide(self, features: StepFeatures) -> Decision:
+    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
         """Pin, else the chain the batch size's slot currently runs."""
         self.step += 1
         pinned = self._pinned(features)
@@ -305,6 +307,7 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         shape: TreeShape,
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
+        request_ids: Sequence[str] = (),
     ) -> None:
         """Accepted drafts per request into the batch size's slot; step time to the cost model
         (kept so that telemetry's predicted step times stay comparable across policies)."""

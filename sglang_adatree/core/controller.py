@@ -174,7 +174,7 @@ class DecisionRule(Protocol):
     pins: tuple[Pin, ...]
     policy_version: int | None
 
-    def decide(self, features: StepFeatures) -> Decision: ...
+    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision: ...
 
     def observe(
         self,
@@ -182,6 +182,7 @@ class DecisionRule(Protocol):
         shape: TreeShape,
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
+        request_ids: Sequence[str] = (),
     ) -> None: ...
 
     def set_pins(self, pins: Sequence[Pin]) -> None: ...
@@ -258,7 +259,7 @@ class StepController:
         if held is not None and lens == [n + 1 for n in held.context_lens]:
             decision = held.decision
         else:
-            decision = self.policy.decide(features)
+            decision = self.policy.decide(features, view.request_ids)
         if decision.shape.speculative and not self._draft_behind.isdisjoint(view.request_ids):
             self._held = _Held(decision, lens)
             # Any policy's cost model, baselines' included, prices the step as no speculation.
@@ -305,7 +306,9 @@ class StepController:
         learned = teaches_cost_model(decision.source, outcome.measured_ms)
         paths = outcome.paths if shape.speculative else None
         if learned:
-            self.policy.observe(ticket.features, shape, outcome.measured_ms, paths)
+            self.policy.observe(
+                ticket.features, shape, outcome.measured_ms, paths, ticket.request_ids
+            )
             self.measured.add(ticket.features, shape, outcome.measured_ms)
         accepted = int(sum(outcome.accepted_per_request))
         offered: tuple[int, ...] = ()

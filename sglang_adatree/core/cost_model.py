@@ -85,13 +85,15 @@ class StepTimeModel(Protocol):
 
 @dataclass(frozen=True)
 class AnalyticStepTime:
-    """``ms = c_fixed + c_bs*B + c_compute*batched_tokens + c_kv*kv_tokens + c_spec*[spec]
+    """``ms = c_fixed + c_bs*B' + c_compute*batched_tokens + c_kv*kv_tokens + c_spec*[spec]
     + c_draft_pass*steps + c_draft_token*draft_tokens``.
 
-    ``batched_tokens`` = verified tokens (what the target computes),
-    ``kv_tokens`` = sum of context lengths (what attention reads). The defaults are the scale
-    of an 8B target with a one-layer draft on an H100-class GPU: a 4 ms floor, 0.02 ms per
-    computed token, 0.4 ms per draft pass. Fitting replaces them with measurements.
+    ``B'`` is the padded batch size (CUDA-graph replay runs the padded batch; without graphs it is
+    the batch size), ``batched_tokens`` the padded verified tokens (what the target computes),
+    ``draft_tokens`` ``B' * steps * topk`` (what the draft passes compute), ``kv_tokens`` the sum
+    of context lengths (what attention reads). The defaults are the scale of an 8B target with a
+    one-layer draft on an H100-class GPU: a 4 ms floor, 0.02 ms per computed token, 0.4 ms per
+    draft pass. Fitting replaces them with measurements.
     """
 
     c_fixed: float = 4.0
@@ -107,15 +109,16 @@ class AnalyticStepTime:
         """``[rows, 7]`` regressors, in the order of the coefficients."""
         assert x.ndim == 2 and x.shape[1] == NUM_FEATURES, f"bad feature matrix {x.shape}"
         c = COLUMN
+        padded = x[:, c["padded_batch_size"]]
         return np.stack(
             [
                 np.ones(x.shape[0]),
-                x[:, c["batch_size"]],
-                x[:, c["verified_tokens"]],
+                padded,
+                x[:, c["padded_verified_tokens"]],
                 x[:, c["sum_context_len"]],
                 x[:, c["speculative"]],
                 x[:, c["steps"]],
-                x[:, c["draft_tokens"]],
+                padded * x[:, c["steps"]] * x[:, c["topk"]],
             ],
             axis=1,
         )

@@ -39,7 +39,11 @@ from enum import StrEnum
 import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.acceptance import (
+    AcceptanceEstimator,
+    AcceptedPathStats,
+    RequestAcceptance,
+)
 from sglang_adatree.core.cost_model import CostModel
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import TreeShape
@@ -133,8 +137,9 @@ class Policy:
             [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
         )
         self._explore_phase = random.Random(config.explore_seed).random()
-        self._emitted_seen: np.ndarray | None = None
-        self._emitted_margin = np.ones(len(self.candidates))
+        self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
+        # Per candidate: the most a step can emit, and whether it speculates.
+        self._max_emitted = np.array([s.steps + 1.0 for s in self.candidates])
 
     def set_pins(self, pins: Sequence[Pin]) -> None:
         """Replace the pins, in precedence order; each pinned shape must be a candidate (its
@@ -149,12 +154,13 @@ class Policy:
         self.cost_model = cost_model
         self.policy_version = policy_version
 
-    def decide(self, features: StepFeatures) -> Decision:
-        """The shape for this step; call once per decode step, on every rank."""
+    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
+        """The shape for this step over the requests ``request_ids`` (their acceptance so far
+        scales the estimate; none given: the estimator's alone)."""
         step = self.step
         self.step += 1
         times = self.cost_model.predict_ms_many(features, self.candidates)  # [candidates] ms
-        emitted = self.acceptance.expected_emitted_many(self.candidates)
+        emitted = self._batch_emitted(request_ids)  # [candidates] per request
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
@@ -166,11 +172,8 @@ class Policy:
         if self._explores(step - warmup):
             explored = self._explored(times, emitted)
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
-        if emitted is not self._emitted_seen:
-            self._emitted_seen = emitted
-            self._emitted_margin = emitted * self._margin
         # Goodput up to the batch size, which is common to all candidates.
-        score = self._emitted_margin / times  # [candidates]
+        score = emitted * self._margin / times  # [candidates]
         best = int(np.argmax(score))
         current = self._index.get(self.current) if self.current is not None else None
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
@@ -185,14 +188,28 @@ class Policy:
         shape: TreeShape,
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
+        request_ids: Sequence[str] = (),
     ) -> None:
-        """Feed back one verified step: its measured time and, if it speculated, its paths."""
+        """Feed back one verified step: its measured time and, if it speculated, its paths (one
+        row per request of ``request_ids``)."""
         self.cost_model.observe(features, shape, measured_ms)
         if stats is not None and shape.speculative:
+            if request_ids:
+                accepted = (np.asarray(stats.accepted_rank) >= 0).sum(axis=1)  # [batch]
+                expected = self.acceptance.expected_emitted(shape) - 1.0
+                self.requests.observe(request_ids, accepted, expected)
             self.acceptance.observe(shape, stats.num_children, stats.accepted_rank)
         i = self._index.get(shape)
         if i is not None:
             self.measured[i] += 1
+
+    def _batch_emitted(self, request_ids: Sequence[str]) -> np.ndarray:
+        """``[candidates]`` expected emitted tokens per request of this batch."""
+        emitted = self.acceptance.expected_emitted_many(self.candidates)
+        factor = self.requests.batch_factor(request_ids)
+        if factor == 1.0:
+            return emitted
+        return np.clip(1.0 + factor * (emitted - 1.0), 1.0, self._max_emitted)
 
     def _explores(self, k: int) -> bool:
         """True on about ``explore_fraction`` of steps, evenly spaced after the seeded phase."""
