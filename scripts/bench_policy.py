@@ -1,8 +1,9 @@
 """Time Policy.decide with 16 candidate shapes and a fitted XGBoost cost model.
 
-Fits XGBoost on a synthetic step-time surface (``sglang_adatree.synthetic``), tabulates it over
-the default grid, checks the table against direct predictions, then runs a drifting batch
-through decide/observe and times decide alone. The last line is exactly::
+Fits XGBoost on a synthetic step-time surface (the suite's ``tests/synthetic.py``), tabulates it
+over the default grid, checks the table against direct predictions, then runs a drifting batch
+(its requests' ids passed, as the step controller passes them) through decide/observe and times
+decide alone. The last line is exactly::
 
     policy decision: p50=<us> us p99=<us> us candidates=16
 
@@ -12,11 +13,12 @@ Usage: ``.venv/bin/python scripts/bench_policy.py [--steps 20000] [--rows 4000]`
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from synthetic import SyntheticSurface, sample_path_stats, sample_steps
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
@@ -26,6 +28,10 @@ from sglang_adatree.core.features import StepFeatures, feature_rows
 from sglang_adatree.core.policy import Policy
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, TreeShape
 from sglang_adatree.core.xgb_cost import fit_xgboost
+
+# The suite's synthetic surface and samplers are this benchmark's data.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import GPU_PADDING, SyntheticSurface, sample_path_stats, sample_steps
 
 EXTRA_SHAPES = (TreeShape(4, 1, 5), TreeShape(2, 4, 6), TreeShape(5, 2, 10), TreeShape(7, 4, 24))
 HAZARDS = np.tile(0.75 * 0.45 ** np.arange(16), (16, 1))  # [depth, rank]
@@ -38,7 +44,7 @@ def drifting_batches(n: int, rng: np.random.Generator) -> list[StepFeatures]:
         b = int(np.clip(b + rng.integers(-2, 3), 1, 256))
         mean = float(np.clip(mean * np.exp(rng.normal(0, 0.02)), 64, 16384))
         total = int(b * mean)
-        out.append(StepFeatures(b, total, min(total, int(mean * 2.5)), 0))
+        out.append(StepFeatures(b, GPU_PADDING.padded(b), total, min(total, int(mean * 2.5))))
     return out
 
 
@@ -63,7 +69,7 @@ def main() -> None:
     )
 
     t0 = time.perf_counter()
-    table = CostTable.build(model, config.candidate_shapes)
+    table = CostTable.build(model, config.candidate_shapes, padding=GPU_PADDING)
     print(f"table: {table.values.size} predictions in {time.perf_counter() - t0:.1f} s")
     probe, _ = sample_steps(500, shapes, np.random.default_rng(1))
     mean_err, p99_err = table_error(model, table, probe)
@@ -87,8 +93,9 @@ def main() -> None:
     observe_ns = np.empty(len(batches), dtype=np.int64)
     sources: dict[str, int] = {}
     for i, f in enumerate(batches):
+        ids = [f"r{(i // 64 + j) % 4096}" for j in range(f.batch_size)]  # requests come and go
         start = time.perf_counter_ns()
-        decision = policy.decide(f)
+        decision = policy.decide(f, ids)
         times_ns[i] = time.perf_counter_ns() - start
         sources[decision.source] = sources.get(decision.source, 0) + 1
         measured_ms = float(surface.step_ms(feature_rows([f], [decision.shape]), rng)[0])
@@ -97,7 +104,7 @@ def main() -> None:
             paths = sample_path_stats(decision.shape, f.batch_size, HAZARDS, rng)
             stats = AcceptedPathStats(*(torch.from_numpy(a) for a in paths))
         start = time.perf_counter_ns()
-        policy.observe(f, decision.shape, measured_ms, stats)
+        policy.observe(f, decision.shape, measured_ms, stats, ids)
         observe_ns[i] = time.perf_counter_ns() - start
     print("decision sources:", ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
     o50, o99 = np.percentile(observe_ns / 1000.0, [50, 99])
