@@ -133,3 +133,16 @@ def test_the_runner_scores_every_policy_and_splits_adatrees_loss():
     assert sum(result.decomposition.values()) == pytest.approx(gap, abs=1e-9)
     # With every estimate true the loop is close to the per-step oracle.
     assert result.ratio(f"adatree+{'+'.join(DECOMPOSITION)}", "per-step-oracle") > 0.9
+
+
+def test_warm_up_requests_are_served_first_and_not_measured():
+    sim = SimConfig(Arrivals("closed", concurrency=2), num_requests=5, warmup_requests=4)
+    run = simulate(TRACES, profile(), sim, controller_chooser_factory(CONFIG, TRACES), "a")
+    measured = _order(9)[4:]
+    assert run.output_tokens == sum(TRACES.requests[i].answer_len for i in measured)
+    cold = simulate(
+        TRACES, profile(), SimConfig(sim.arrivals, num_requests=5),
+        controller_chooser_factory(CONFIG, TRACES), "a",
+    )  # fmt: skip
+    # The warmed loop has left its warm-up shapes behind by the measured requests.
+    assert run.shape_shares != cold.shape_shares

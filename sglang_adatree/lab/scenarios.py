@@ -186,7 +186,27 @@ def smoke_grid() -> tuple[Scenario, ...]:
     )  # fmt: skip
 
 
-GRIDS = {"default": default_grid, "smoke": smoke_grid}
+def validation_grid() -> tuple[Scenario, ...]:
+    """Served runs replayed: ``adatree bench --policies ar,static:2,2,4,adatree --prompts SET
+    --loads c1 --num-requests 8 --max-new-tokens 64`` on this CPU with the bundled head, each
+    server warmed up first (as the bench warms them: about 160 decode steps)."""
+    return tuple(
+        Scenario(
+            f"served-{prompts}-c1",
+            "validation",
+            f"eagle-smollm2:{prompts}",
+            "cpu-2core",
+            SimConfig(
+                Arrivals("closed", concurrency=1), num_requests=8, shuffle=False,
+                warmup_requests=6, **CPU_NOISE,
+            ),
+            answer_tokens=64,
+        )
+        for prompts in ("mtbench", "gsm8k", "transition")
+    )  # fmt: skip
+
+
+GRIDS = {"default": default_grid, "smoke": smoke_grid, "validation": validation_grid}
 
 
 def all_scenarios() -> dict[str, Scenario]:

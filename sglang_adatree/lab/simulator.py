@@ -101,6 +101,9 @@ class SimConfig:
     drift: float = 0.0  # stationary sigma of the log speed walk
     seed: int = 0
     shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
+    # Requests served one at a time before the measured ones, unmeasured: the loop's state
+    # warms up as a benchmark's warm-up requests warm a server.
+    warmup_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or not isinstance(self.max_batch_size, int):
@@ -277,6 +280,20 @@ class ControllerChooser:
         return shape, catch_up, done
 
 
+@dataclass
+class _Tally:
+    """What a phase of a run counts."""
+
+    start_s: float
+    finished: list[tuple[float, float, int]] = field(default_factory=list)  # first, end, tokens
+    emitted: int = 0
+    request_steps: int = 0
+    steps: int = 0
+    decode_s: float = 0.0
+    shapes: collections.Counter[str] = field(default_factory=collections.Counter)
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+
 def simulate(
     traces: TraceSet,
     profile: StepTimeProfile,
@@ -285,105 +302,117 @@ def simulate(
     policy_name: str,
     keep_timeline: bool = False,
 ) -> RunResult:
-    """One run of ``cfg`` with the chooser ``make_chooser(machine, clock)`` builds."""
+    """One run of ``cfg`` with the chooser ``make_chooser(machine, clock)`` builds; the first
+    ``cfg.warmup_requests`` requests run one at a time before it, unmeasured."""
     machine = _Machine(profile, cfg)
     now = [0.0]
     chooser = make_chooser(machine, lambda: now[0])
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(traces.requests)) if cfg.shuffle else range(len(traces.requests))
-    pending = collections.deque(
-        traces.requests[int(order[i % len(order)])] for i in range(cfg.num_requests)
-    )
-    arrivals = _ArrivalSchedule(cfg.arrivals, rng)
-    waiting: collections.deque[_Request] = collections.deque()
-    running: list[_Request] = []
-    finished: list[tuple[float, float, int]] = []  # (first token s, finish s, answer tokens)
-    emitted_total = steps = 0
-    request_steps = 0
-    decode_s = 0.0
-    shape_counts: collections.Counter[str] = collections.Counter()
-    timeline: list[tuple[float, str]] = []
-    serial = 0
+    drawn = [
+        traces.requests[int(order[i % len(order)])]
+        for i in range(cfg.warmup_requests + cfg.num_requests)
+    ]
+    serial = [0]
+    padding = _padding(profile)
 
-    def admit(at: float) -> None:
-        nonlocal serial
-        for t in arrivals.due(at):
-            if not pending:
-                return
-            trace = pending.popleft()
-            waiting.append(_Request(f"r{serial}", trace, t))
-            serial += 1
+    def serve(requests: list[RequestTrace], arrivals: _ArrivalSchedule, tally: _Tally) -> None:
+        pending = collections.deque(requests)
+        waiting: collections.deque[_Request] = collections.deque()
+        running: list[_Request] = []
+        origin = tally.start_s
 
-    while pending or waiting or running:
-        admit(now[0])
-        if not running and not waiting:
-            next_t = arrivals.next_time(now[0])
-            if next_t is None or not pending:
-                break
-            # An idle machine waits; a bursts phase with clients starts a hair later.
-            now[0] = max(now[0], next_t) if next_t > now[0] else now[0] + 1e-3
-            continue
-        if waiting and len(running) < cfg.max_batch_size:
-            joining = []
-            while waiting and len(running) + len(joining) < cfg.max_batch_size:
-                joining.append(waiting.popleft())
+        def admit(at: float) -> None:
+            for t in arrivals.due(at - origin):
+                if not pending:
+                    return
+                waiting.append(_Request(f"r{serial[0]}", pending.popleft(), origin + t))
+                serial[0] += 1
+
+        while pending or waiting or running:
+            admit(now[0])
+            if not running and not waiting:
+                next_t = arrivals.next_time(now[0] - origin)
+                if next_t is None or not pending:
+                    break
+                # An idle machine waits; a bursts phase with clients starts a hair later.
+                later = origin + next_t
+                now[0] = later if later > now[0] else now[0] + 1e-3
+                continue
+            if waiting and len(running) < cfg.max_batch_size:
+                joining = []
+                while waiting and len(running) + len(joining) < cfg.max_batch_size:
+                    joining.append(waiting.popleft())
+                machine.at(now[0])
+                now[0] += machine.prefill_ms(sum(r.trace.prompt_len for r in joining)) / 1000.0
+                for r in joining:
+                    r.position = 1
+                    r.first_token_s = now[0]
+                    if r.trace.answer_len <= 1:
+                        tally.finished.append((now[0], now[0], 1))
+                        arrivals.finished(now[0] - origin)
+                    else:
+                        running.append(r)
+                continue
+            features = StepFeatures.from_context_lens(
+                [r.trace.prompt_len + r.position for r in running], padding
+            )
             machine.at(now[0])
-            now[0] += machine.prefill_ms(sum(r.trace.prompt_len for r in joining)) / 1000.0
-            for r in joining:
-                r.position = 1
-                r.first_token_s = now[0]
-                if r.trace.answer_len <= 1:
-                    finished.append((now[0], now[0], 1))
-                    arrivals.finished(now[0])
-                else:
-                    running.append(r)
-            continue
-        features = StepFeatures.from_context_lens(
-            [r.trace.prompt_len + r.position for r in running], _padding(profile)
-        )
-        machine.at(now[0])
-        shape, catch_up, done = chooser(running, features)
-        true_ms = machine.catch_up_ms(features) if catch_up else machine.true_ms(features, shape)
-        measured_ms = machine.measured(true_ms)
-        now[0] += measured_ms / 1000.0
-        decode_s += measured_ms / 1000.0
-        if shape.speculative:
-            j = traces.column(shape)
-            emitted = [int(r.trace.emitted[r.position, j]) for r in running]
-        else:
-            emitted = [1] * len(running)
-        done(measured_ms, emitted)
-        steps += 1
-        shape_counts[str(shape)] += 1
-        if keep_timeline:
-            timeline.append((now[0], str(shape)))
-        emitted_total += sum(emitted)
-        request_steps += len(running)
-        still = []
-        for r, e in zip(running, emitted, strict=True):
-            r.position += e
-            if r.position >= r.trace.answer_len:
-                finished.append((r.first_token_s, now[0], r.trace.answer_len))
-                arrivals.finished(now[0])
+            shape, catch_up, done = chooser(running, features)
+            true_ms = (
+                machine.catch_up_ms(features) if catch_up else machine.true_ms(features, shape)
+            )
+            measured_ms = machine.measured(true_ms)
+            now[0] += measured_ms / 1000.0
+            if shape.speculative:
+                j = traces.column(shape)
+                emitted = [int(r.trace.emitted[r.position, j]) for r in running]
             else:
-                still.append(r)
-        running = still
+                emitted = [1] * len(running)
+            done(measured_ms, emitted)
+            tally.decode_s += measured_ms / 1000.0
+            tally.steps += 1
+            tally.shapes[str(shape)] += 1
+            if keep_timeline:
+                tally.timeline.append((now[0] - origin, str(shape)))
+            tally.emitted += sum(emitted)
+            tally.request_steps += len(running)
+            still = []
+            for r, e in zip(running, emitted, strict=True):
+                r.position += e
+                if r.position >= r.trace.answer_len:
+                    tally.finished.append((r.first_token_s, now[0], r.trace.answer_len))
+                    arrivals.finished(now[0] - origin)
+                else:
+                    still.append(r)
+            running = still
+
+    if cfg.warmup_requests:
+        serve(
+            drawn[: cfg.warmup_requests],
+            _ArrivalSchedule(Arrivals("closed", concurrency=1), rng),
+            _Tally(0.0),
+        )
+    tally = _Tally(now[0])
+    serve(drawn[cfg.warmup_requests :], _ArrivalSchedule(cfg.arrivals, rng), tally)
+    finished = tally.finished
     tpot = [(end - first) * 1000.0 / (n - 1) for first, end, n in finished if n > 1 and end > first]
     output_tokens = sum(n for _, _, n in finished)
-    makespan = now[0]
+    makespan = now[0] - tally.start_s
+    steps = tally.steps
     return RunResult(
         policy=policy_name,
         goodput_tok_s=output_tokens / makespan if makespan > 0 else 0.0,
         tpot_ms_p50=float(np.percentile(tpot, 50)) if tpot else 0.0,
         tpot_ms_p99=float(np.percentile(tpot, 99)) if tpot else 0.0,
-        accept_len_mean=emitted_total / request_steps if request_steps else 0.0,
+        accept_len_mean=tally.emitted / tally.request_steps if tally.request_steps else 0.0,
         steps=steps,
-        shape_shares={s: n / steps for s, n in sorted(shape_counts.items())} if steps else {},
+        shape_shares={s: n / steps for s, n in sorted(tally.shapes.items())} if steps else {},
         makespan_s=makespan,
         output_tokens=output_tokens,
-        decode_s=decode_s,
-        decode_tokens=emitted_total,
-        timeline=tuple(timeline),
+        decode_s=tally.decode_s,
+        decode_tokens=tally.emitted,
+        timeline=tuple(tally.timeline),
     )
 
 
