@@ -2,7 +2,8 @@
 any policy, through the same step controller the server runs, against the oracles.
 
 * ``traces``: what every shape would emit at every position of a request (``tracegen`` builds
-  exact ones from a draft / target pair; ``parametric`` draws them from acceptance hazards);
+  exact ones from a draft / target pair, over ``target_pass``, ``draft_forward`` and
+  ``tree_replay``; ``parametric`` draws them from acceptance hazards);
 * ``profiles``: what a decode step of each shape costs on a deployment (``hardware``: GPU
   rooflines; ``measured``: this CPU's served steps or a deployment's telemetry; ``passes``:
   how passes compose into a step, shared with ``scripts/gpu_step_profile.py``);
