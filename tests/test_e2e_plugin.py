@@ -3,7 +3,8 @@
 * adatree's greedy output equals SGLang's own non-speculative server's, token for token, while
   the shape changes every step (a warm-up that never ends cycles chain, trees and no
   speculation; telemetry shows which ran);
-* one telemetry row per decode step; ``/server_info`` and ``/metrics`` carry adatree's state;
+* one telemetry row per decode step; ``/server_info`` and ``/metrics`` carry adatree's state
+  and the telemetry writer's counters;
 * speculation right after a step without speculation drafts from a caught-up draft;
 * a pin written to the store is obeyed within a second, and clearing it hands control back;
 * sampling (temperature 0.8) completes with well-formed output;
@@ -156,8 +157,24 @@ def test_server_info_and_metrics(adatree):
     assert state["adatree_decision_source"] in {str(s) for s in DecisionSource}
     assert "adatree_policy_version" in state
     assert state["adatree_recent_accept_length"] >= 1.0
+    time.sleep(0.5)  # the writer flushes every 50 ms here
+    state = adatree.server_info()["internal_states"][0]
+    # Every finished step is a row (nothing dropped, rejected or held on a healthy database).
+    assert state["adatree_telemetry_rows_written"] == state["adatree_steps"] > 0
+    assert state["adatree_telemetry_queued"] == state["adatree_telemetry_dropped"] == 0
+    assert state["adatree_telemetry_database_down"] is False
+    time.sleep(1.5)  # the writer's health is sampled into /metrics once a second
     metrics = requests.get(f"{adatree.url}/metrics", timeout=30).text
     for series in (
+        "adatree_decode_steps_total",
+        "adatree_unfinished_steps_total",
+        "adatree_telemetry_queued_records",
+        "adatree_telemetry_rows_written_total",
+        "adatree_telemetry_write_failures_total",
+        "adatree_telemetry_dropped_records_total",
+        "adatree_telemetry_rejected_records_total",
+        "adatree_telemetry_lost_records_total",
+        "adatree_telemetry_database_down",
         "adatree_verify_steps_total",
         "adatree_accepted_tokens_total",
         "adatree_drafted_tokens_total",

@@ -1,8 +1,9 @@
 """Wires one serving rank's adaptive loop from SGLang's resolved configuration.
 
 Rank 0 gets everything: the step controller (the policy and its estimates), its sinks (the
-telemetry writer for this run, the Prometheus series under ``--enable-metrics``) and the control
-poller. Other tensor-parallel ranks get nothing: they run the plan rank 0 broadcasts.
+telemetry writer for this run, the Prometheus series under ``--enable-metrics``, with the
+writer's health sampled into them once a second) and the control poller. Other
+tensor-parallel ranks get nothing: they run the plan rank 0 broadcasts.
 """
 
 from __future__ import annotations
@@ -34,10 +35,27 @@ class ServingLoop:
     run_id: int | None
     writer: Any  # telemetry.writer.TelemetryWriter, or None without telemetry
     poller: ControlPoller | None
+    health: Any = None  # telemetry.metrics.TelemetryHealthSampler, with writer and metrics
 
     def server_state(self) -> dict[str, Any]:
-        """``GET /server_info``'s ``internal_states`` entries: the controller's, and the run's."""
-        return {**self.controller.server_state(), "adatree_run_id": self.run_id}
+        """``GET /server_info``'s ``internal_states`` entries: the controller's, the run's and
+        the telemetry writer's counters (``telemetry.writer.WriterStats``)."""
+        state = {**self.controller.server_state(), "adatree_run_id": self.run_id}
+        if self.writer is not None:
+            stats = self.writer.stats()
+            state.update(
+                {
+                    "adatree_telemetry_queued": stats.queued,
+                    "adatree_telemetry_rows_written": stats.written,
+                    "adatree_telemetry_write_failures": stats.failures,
+                    "adatree_telemetry_dropped": stats.dropped,
+                    "adatree_telemetry_rejected": stats.rejected,
+                    "adatree_telemetry_lost": stats.lost,
+                    "adatree_telemetry_database_down": stats.down,
+                    "adatree_telemetry_last_error": stats.last_error,
+                }
+            )
+        return state
 
     def close(self) -> None:
         """Stop polling, then flush telemetry and close the run."""
@@ -47,6 +65,8 @@ class ServingLoop:
             if self.run_id is not None:
                 self.writer.stop_run(self.run_id)
             self.writer.close()
+        if self.health is not None:
+            self.health.close()
 
 
 def create_serving_loop(
@@ -80,11 +100,15 @@ def create_serving_loop(
             )
         )
         sinks.append(TelemetrySink(writer, run_id))
+    health = None
     if getattr(server_args, "enable_metrics", False):
-        from sglang_adatree.telemetry.metrics import AdaTreeMetrics
+        from sglang_adatree.telemetry.metrics import AdaTreeMetrics, TelemetryHealthSampler
 
         name = server_args.served_model_name or server_args.model_path
-        sinks.append(AdaTreeMetrics({"model_name": str(name)}))
+        metrics = AdaTreeMetrics({"model_name": str(name)})
+        sinks.append(metrics)
+        if writer is not None:
+            health = TelemetryHealthSampler(metrics, writer.stats)
     controller = StepController(
         config,
         padding=padding,
@@ -92,7 +116,7 @@ def create_serving_loop(
         sinks=sinks,
     )
     poller = ControlPoller(controller, config.resolved_db_url, config.control_poll_s)
-    loop = ServingLoop(controller, run_id, writer, poller)
+    loop = ServingLoop(controller, run_id, writer, poller, health)
     atexit.register(loop.close)
     logger.info(
         "adatree: %d candidate shapes, CUDA-graph batch sizes %s, telemetry %s",

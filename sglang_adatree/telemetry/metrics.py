@@ -7,75 +7,141 @@ follow vLLM's speculative-decoding names (drafted and accepted tokens, per posit
 show the current shape and the cost model's predicted against measured step time.
 
 ``AdaTreeMetrics`` is a step sink (``core.controller.StepSink``): the SGLang adapter wires it
-into the step controller, which hands it every finished step.
+into the step controller, which hands it every finished step. The telemetry writer's health
+(its backlog, rows written, failed writes, drops, refusals and losses) is sampled from
+``TelemetryWriter.stats()`` by ``TelemetryHealthSampler``, a thread of its own that wakes once a
+second: the decode loop never waits for it, and the series stay current while the server is
+idle (a backlog that drains after an outage with no traffic still shows as drained).
+
+Every finished decode step is either a telemetry row or counted: ``rows_written +
+dropped_records + rejected_records + lost_records + queued_records`` equals
+``decode_steps_total`` once the writer has caught up, and ``unfinished_steps_total`` counts the
+steps that launched but never finished (they never reach the writer).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+import threading
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from sglang_adatree.core.controller import StepReport
+from sglang_adatree.telemetry.writer import WriterStats
 
 PREFIX = "adatree"
+SAMPLE_EVERY_S = 1.0
 
 
 class AdaTreeMetrics:
     """The adatree series; one instance per serving process, labelled like SGLang's."""
 
-    def __init__(self, labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, labels: dict[str, str] | None = None, registry: CollectorRegistry = REGISTRY
+    ) -> None:
         self.labels = dict(labels or {})
         names = list(self.labels)
-        self.decode_steps = Counter(
-            f"{PREFIX}_decode_steps_total",
-            "decode steps finished, with or without speculation",
-            names,
+
+        def counter(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", help_text, [*names, *extra], registry=registry)
+
+        def gauge(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(
+                f"{PREFIX}_{name}",
+                help_text,
+                [*names, *extra],
+                registry=registry,
+                multiprocess_mode="mostrecent",
+            )
+
+        self.decode_steps = counter(
+            "decode_steps_total", "decode steps finished, with or without speculation"
         )
-        self.verify_steps = Counter(
-            f"{PREFIX}_verify_steps_total",
+        self.verify_steps = counter(
+            "verify_steps_total",
             "decode steps that verified draft tokens (speculative shapes only)",
-            names,
         )
-        self.unfinished_steps = Counter(
-            f"{PREFIX}_unfinished_steps_total",
+        self.unfinished_steps = counter(
+            "unfinished_steps_total",
             "decode steps launched whose outcome never came back (no telemetry row)",
-            names,
         )
-        self.drafted_tokens = Counter(
-            f"{PREFIX}_drafted_tokens_total",
-            "draft tokens verified (tree nodes below the root)",
-            names,
+        self.drafted_tokens = counter(
+            "drafted_tokens_total", "draft tokens verified (tree nodes below the root)"
         )
-        self.offered_tokens = Counter(
-            f"{PREFIX}_offered_tokens_total",
+        self.offered_tokens = counter(
+            "offered_tokens_total",
             "draft tokens the target could accept at each depth: children of the accepted "
             "path's node there (depth 1 = the first draft token)",
-            [*names, "depth"],
+            ("depth",),
         )
-        self.accepted_tokens = Counter(
-            f"{PREFIX}_accepted_tokens_total",
-            "accepted draft tokens, per tree depth",
-            [*names, "depth"],
+        self.accepted_tokens = counter(
+            "accepted_tokens_total", "accepted draft tokens, per tree depth", ("depth",)
         )
-        self.emitted_tokens = Counter(
-            f"{PREFIX}_emitted_tokens_total", "emitted tokens (accepted + bonus)", names
-        )
-        self.steps_per_shape = Counter(
-            f"{PREFIX}_steps_total",
+        self.emitted_tokens = counter("emitted_tokens_total", "emitted tokens (accepted + bonus)")
+        self.steps_per_shape = counter(
+            "steps_total",
             "decode steps per chosen shape and decision source",
-            [*names, "shape", "source"],
+            ("shape", "source"),
         )
-        self.shape = Gauge(
-            f"{PREFIX}_current_shape",
+        self.shape = gauge(
+            "current_shape",
             "the shape of the latest decode step (steps, topk, num_draft_tokens)",
-            [*names, "field"],
-            multiprocess_mode="mostrecent",
+            ("field",),
         )
-        self.step_ms = Gauge(
-            f"{PREFIX}_step_time_ms",
+        self.step_ms = gauge(
+            "step_time_ms",
             "latest decode step time: predicted by the cost model and measured",
-            [*names, "kind"],
-            multiprocess_mode="mostrecent",
+            ("kind",),
         )
+        # The telemetry writer's health, sampled from its counters (``telemetry_sampled``).
+        self.telemetry_queued = gauge(
+            "telemetry_queued_records",
+            "finished decode steps waiting in the telemetry writer's queue, not yet written",
+        )
+        self.telemetry_written = counter(
+            "telemetry_rows_written_total",
+            "finished decode steps written to the telemetry database as steps rows",
+        )
+        self.telemetry_failures = counter(
+            "telemetry_write_failures_total",
+            "failed telemetry write attempts (database locked, read-only, missing or down); "
+            "each is retried after a backoff, its rows kept",
+        )
+        self.telemetry_dropped = counter(
+            "telemetry_dropped_records_total",
+            "finished decode steps not recorded because the telemetry queue was full "
+            "(runs.dropped_steps)",
+        )
+        self.telemetry_rejected = counter(
+            "telemetry_rejected_records_total",
+            "finished decode steps whose row the database refused (constraint or data "
+            "errors; runs.rejected_steps)",
+        )
+        self.telemetry_lost = counter(
+            "telemetry_lost_records_total",
+            "finished decode steps still unwritten when the telemetry writer closed",
+        )
+        self.telemetry_down = gauge(
+            "telemetry_database_down",
+            "1 while the telemetry writer's latest write failed and none has succeeded since",
+        )
+        self._sampled = WriterStats(0, 0, 0, 0, 0, 0, None)
+        # Series without labels of their own are exported at 0 from the start: a counter that
+        # appears only at its first event has no rate over the window before it.
+        unlabelled = (
+            self.decode_steps,
+            self.verify_steps,
+            self.unfinished_steps,
+            self.drafted_tokens,
+            self.emitted_tokens,
+            self.telemetry_written,
+            self.telemetry_failures,
+            self.telemetry_dropped,
+            self.telemetry_rejected,
+            self.telemetry_lost,
+        )
+        for series in unlabelled if names else ():
+            series.labels(**self.labels)
 
     def step_finished(self, report: StepReport) -> None:
         """Record one decode step (called once its results are on the CPU)."""
@@ -103,3 +169,52 @@ class AdaTreeMetrics:
 
     def steps_unfinished(self, count: int) -> None:
         self.unfinished_steps.labels(**self.labels).inc(count)
+
+    def telemetry_sampled(self, stats: WriterStats) -> None:
+        """Refresh the writer's series from one sample of ``TelemetryWriter.stats()``; its
+        counters only grow, so each counter advances by the change since the last sample."""
+        lv = self.labels
+        last, self._sampled = self._sampled, stats
+        for series, now, before in (
+            (self.telemetry_written, stats.written, last.written),
+            (self.telemetry_failures, stats.failures, last.failures),
+            (self.telemetry_dropped, stats.dropped, last.dropped),
+            (self.telemetry_rejected, stats.rejected, last.rejected),
+            (self.telemetry_lost, stats.lost, last.lost),
+        ):
+            if now > before:
+                series.labels(**lv).inc(now - before)
+        self.telemetry_queued.labels(**lv).set(stats.queued)
+        self.telemetry_down.labels(**lv).set(1 if stats.down else 0)
+
+
+class TelemetryHealthSampler:
+    """Samples the writer's counters into ``metrics`` every ``every_s`` seconds, on a daemon
+    thread (``adatree-telemetry-health``); ``close()`` takes a last sample (losses at close)."""
+
+    def __init__(
+        self,
+        metrics: AdaTreeMetrics,
+        stats: Callable[[], WriterStats],
+        every_s: float = SAMPLE_EVERY_S,
+    ) -> None:
+        self._metrics = metrics
+        self._stats = stats
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="adatree-telemetry-health", daemon=True
+        )
+        self._thread.start()
+
+    def sample(self) -> None:
+        self._metrics.telemetry_sampled(self._stats())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.sample()

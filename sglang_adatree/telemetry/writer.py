@@ -61,15 +61,17 @@ ROW_ERRORS = (IntegrityError, DataError)
 
 @dataclass(frozen=True)
 class WriterStats:
-    """Counters since the writer started."""
+    """Counters since the writer started. Every record offered to ``record()`` is, at any
+    moment, exactly one of: queued, written, dropped, rejected or lost."""
 
-    queued: int  # records waiting in the queue now
+    queued: int  # records held, not yet written: the queue and the batch being written
     written: int  # rows committed
     dropped: int  # records dropped on a full queue (or after close)
     rejected: int  # records the database refused (constraint / data errors)
     lost: int  # records close() could not write before its timeout
     failures: int  # failed write attempts, each retried after a backoff
     last_error: str | None
+    down: bool = False  # the latest write attempt failed and none has succeeded since
 
 
 class TelemetryWriter:
@@ -221,15 +223,19 @@ class TelemetryWriter:
         return len(self._queue)
 
     def stats(self) -> WriterStats:
-        return WriterStats(
-            queued=len(self._queue),
-            written=self._written,
-            dropped=self._dropped,
-            rejected=self._rejected,
-            lost=self._lost,
-            failures=self._failures,
-            last_error=self._last_error,
-        )
+        """A consistent snapshot of the counters. It waits at most for a batch to move from
+        the queue (never for I/O); ``record()`` never waits for it."""
+        with self._move_lock, self._drops_lock:
+            return WriterStats(
+                queued=len(self._queue) + len(self._batch),
+                written=self._written,
+                dropped=self._dropped,
+                rejected=self._rejected,
+                lost=self._lost,
+                failures=self._failures,
+                last_error=self._last_error,
+                down=self._down_since is not None,
+            )
 
     def __enter__(self) -> TelemetryWriter:
         return self
@@ -306,9 +312,9 @@ class TelemetryWriter:
                 except ROW_ERRORS:
                     self._write_one_by_one(conn)
                     continue
-                self._written += len(self._batch)
                 self._counts_saved()
                 with self._move_lock:
+                    self._written += len(self._batch)
                     self._batch.clear()
 
     def _insert_batch(self, conn: Connection, rows: list[tuple[Any, ...]]) -> None:
@@ -348,9 +354,9 @@ class TelemetryWriter:
             try:
                 with conn.begin():
                     conn.exec_driver_sql(self._insert_sql, step_row(rec))
-                self._written += 1
+                written = True
             except ROW_ERRORS as exc:
-                self._rejected += 1
+                written = False
                 self._unsaved_rejects[rec.run_id] = self._unsaved_rejects.get(rec.run_id, 0) + 1
                 log.error(
                     "telemetry: database refused step %s of run %s: %s",
@@ -360,6 +366,10 @@ class TelemetryWriter:
                 )
             with self._move_lock:
                 batch.pop(0)
+                if written:
+                    self._written += 1
+                else:
+                    self._rejected += 1
         with conn.begin():
             self._save_counts(conn)
         self._counts_saved()
