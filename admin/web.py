@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from flask import current_app
+from flask import current_app, g
 from sglang_adatree.admin import params
 from sglang_adatree.admin.errors import AdminError
 from sglang_adatree.admin.queries import runs
@@ -47,6 +47,7 @@ def reading() -> Iterator[Connection]:
     """One connection (one consistent snapshot on SQLite's WAL) for a page's reads."""
     with state().engine.connect() as conn:
         yield conn
+    g.database_answered = True  # ends a logged outage (``errors.OutageLog``)
 
 
 @contextmanager
@@ -54,6 +55,7 @@ def writing() -> Iterator[Connection]:
     """One transaction for a change and its audit entry: both or neither."""
     with state().engine.begin() as conn:
         yield conn
+    g.database_answered = True
 
 
 def selected_run(conn: Connection) -> runs.RunSummary | None:

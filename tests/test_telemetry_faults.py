@@ -5,6 +5,7 @@ recording resumes once the database is back."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sqlite3
@@ -166,3 +167,27 @@ def test_close_gives_up_after_its_timeout_and_counts_the_loss(sqlite_url, open_w
     assert (stats.lost, stats.written) == (30, 0)
     os.replace(f"{path}.away", path)
     assert step_count(sqlite_url, run_id) == 0
+
+
+def test_an_outage_is_logged_once_and_its_end_once(sqlite_url, open_writer, caplog):
+    caplog.set_level(logging.WARNING, logger="sglang_adatree.telemetry.writer")
+    path = store.sqlite_path(sqlite_url)
+    writer = open_writer(sqlite_url, backoff_max_s=0.05)
+    run_id = writer.start_run(RUN)
+    os.replace(path, f"{path}.away")
+    try:
+        for rec in steps_of(run_id, 50):
+            writer.record(rec)
+        deadline = time.monotonic() + 10.0
+        while writer.stats().failures < 5:  # retried several times within the outage
+            assert time.monotonic() < deadline, "the writer stopped retrying"
+            time.sleep(0.01)
+        assert writer.stats().down
+    finally:
+        os.replace(f"{path}.away", path)
+    assert writer.flush(10.0)
+    assert not writer.stats().down
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot write to" in m for m in messages) == 1
+    assert sum("writable again" in m for m in messages) == 1
+    assert len(messages) == 2

@@ -284,7 +284,6 @@ class TelemetryWriter:
                     continue
                 delay = 0.0
                 last_write = time.monotonic()
-                self._recovered()
                 if closing:
                     return
                 if self._retention_s is not None and last_write >= self._next_rollup:
@@ -313,6 +312,7 @@ class TelemetryWriter:
                     self._write_one_by_one(conn)
                     continue
                 self._counts_saved()
+                self._recovered()  # before the batch leaves: a drained writer is not down
                 with self._move_lock:
                     self._written += len(self._batch)
                     self._batch.clear()
@@ -355,6 +355,7 @@ class TelemetryWriter:
                 with conn.begin():
                     conn.exec_driver_sql(self._insert_sql, step_row(rec))
                 written = True
+                self._recovered()
             except ROW_ERRORS as exc:
                 written = False
                 self._unsaved_rejects[rec.run_id] = self._unsaved_rejects.get(rec.run_id, 0) + 1
