@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -26,6 +27,8 @@ from sglang_servers import (
     sglang_server,
 )
 from sqlalchemy import func, insert, select, update
+from test_grafana_dashboard import DASHBOARD, metric_names
+from test_grafana_dashboard import queries as dashboard_queries
 
 from sglang_adatree.core.policy import DecisionSource
 from sglang_adatree.telemetry.models import PinRow, Run, Step
@@ -183,6 +186,11 @@ def test_server_info_and_metrics(adatree):
         "adatree_step_time_ms",
     ):
         assert series in metrics, f"{series} missing from /metrics"
+    # Every series the Grafana dashboard queries is on a real server's /metrics.
+    dashboard = json.loads(DASHBOARD.read_text())
+    for where, expr in dashboard_queries(dashboard):
+        for series in metric_names(expr):
+            assert f"\n{series}{{" in metrics, f"{where}: {series} missing from /metrics"
 
 
 def test_pin_is_obeyed_then_cleared(adatree, db_url):

@@ -78,6 +78,10 @@ class AdaTreeMetrics:
             "accepted_tokens_total", "accepted draft tokens, per tree depth", ("depth",)
         )
         self.emitted_tokens = counter("emitted_tokens_total", "emitted tokens (accepted + bonus)")
+        self.step_seconds = counter(
+            "step_seconds_total",
+            "measured decode step time, summed (goodput = rate of emitted tokens / rate of this)",
+        )
         self.steps_per_shape = counter(
             "steps_total",
             "decode steps per chosen shape and decision source",
@@ -134,6 +138,7 @@ class AdaTreeMetrics:
             self.unfinished_steps,
             self.drafted_tokens,
             self.emitted_tokens,
+            self.step_seconds,
             self.telemetry_written,
             self.telemetry_failures,
             self.telemetry_dropped,
@@ -152,6 +157,8 @@ class AdaTreeMetrics:
         if shape.speculative:
             self.verify_steps.labels(**lv).inc()
         self.emitted_tokens.labels(**lv).inc(report.emitted_tokens)
+        if report.outcome.measured_ms > 0:  # a step without a measured time adds none (or NaN)
+            self.step_seconds.labels(**lv).inc(report.outcome.measured_ms / 1000.0)
         self.drafted_tokens.labels(**lv).inc(report.drafted_tokens)
         self.steps_per_shape.labels(**lv, shape=str(shape), source=str(decision.source)).inc()
         for depth, (offered, accepted) in enumerate(
