@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "sglang_adatree.tools.bench.compare",
         "paired comparison of configurations served side by side",
     ),
+    "soak": (
+        "sglang_adatree.tools.soak.commands",
+        "a soak under moving load, operator actions and database faults",
+    ),
     "models": ("sglang_adatree.models.commands", "prepare, train and evaluate the bundled models"),
     "simulate": (
         "sglang_adatree.lab.commands",

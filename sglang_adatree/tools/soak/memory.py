@@ -1,0 +1,160 @@
+"""Memory of a server's process tree: RSS over the soak (its slope after warm-up) and, at the
+end, RSS and USS per process beside the reference server's.
+
+RSS counts pages shared between processes (the torch and Python libraries every SGLang process
+maps) once per process, so the sum over a server's processes overstates what it holds; USS
+(pages only that process holds, from ``/proc/PID/smaps``) is what stopping it would free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import asdict, dataclass
+
+import psutil
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    role: str  # SGLang's process title (sglang::scheduler, ...) or the launcher
+    pid: int
+    rss_mb: float
+    uss_mb: float | None  # None when smaps could not be read
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _role(process: psutil.Process) -> str:
+    try:
+        cmdline = process.cmdline()
+    except psutil.Error:
+        return "?"
+    first = cmdline[0] if cmdline else process.name()
+    if first.startswith("sglang::"):
+        return first
+    if "sglang.launch_server" in cmdline or any("adatree" in c for c in cmdline[:2]):
+        return "launcher (HTTP server, tokenizer)"
+    return first.rsplit("/", 1)[-1]
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def total_rss_mb(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total / MB
+
+
+def per_process(pid: int) -> list[ProcessMemory]:
+    """RSS and USS of every process of the tree (reads each one's smaps: call it rarely)."""
+    out = []
+    for p in tree(pid):
+        try:
+            info = p.memory_full_info()
+            out.append(ProcessMemory(_role(p), p.pid, info.rss / MB, info.uss / MB))
+        except psutil.AccessDenied:
+            out.append(ProcessMemory(_role(p), p.pid, p.memory_info().rss / MB, None))
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(out, key=lambda m: -m.rss_mb)
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MB) samples, in MB per minute; None under 3 samples."""
+    if len(samples) < 3:
+        return None
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_m = sum(m for _, m in samples) / n
+    var = sum((t - mean_t) ** 2 for t, _ in samples)
+    if var == 0:
+        return None
+    cov = sum((t - mean_t) * (m - mean_m) for t, m in samples)
+    return cov / var * 60.0
+
+
+class RssSampler:
+    """The tree's total RSS every ``every_s`` seconds, on a daemon thread."""
+
+    def __init__(self, pid: int, clock, every_s: float) -> None:
+        self.pid = pid
+        self.clock = clock
+        self.every_s = every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((self.clock.now(), total_rss_mb(self.pid)))
+            if self._stop.wait(self.every_s):
+                return
+
+    def to_json(self, warmup_s: float) -> dict:
+        after = [(t, m) for t, m in self.samples if t >= warmup_s]
+        slope = slope_mb_per_min(after)
+        return {
+            "start_mb": round(self.samples[0][1], 1) if self.samples else None,
+            "end_mb": round(self.samples[-1][1], 1) if self.samples else None,
+            "max_mb": round(max(m for _, m in self.samples), 1) if self.samples else None,
+            "slope_after_s": warmup_s,
+            "slope_mb_per_min": None if slope is None else round(slope, 3),
+            "samples": [[round(t, 1), round(m, 1)] for t, m in self.samples],
+        }
+
+
+def comparison(ours: list[ProcessMemory], reference: list[ProcessMemory]) -> dict:
+    """Per role, the soaked server's memory beside the reference's, and the difference."""
+
+    def by_role(items: list[ProcessMemory]) -> dict[str, ProcessMemory]:
+        return {m.role: m for m in items}
+
+    mine, theirs = by_role(ours), by_role(reference)
+    roles = []
+    for role in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(role), theirs.get(role)
+        roles.append(
+            {
+                "role": role,
+                "adatree_rss_mb": None if a is None else round(a.rss_mb, 1),
+                "reference_rss_mb": None if b is None else round(b.rss_mb, 1),
+                "adatree_uss_mb": None if a is None or a.uss_mb is None else round(a.uss_mb, 1),
+                "reference_uss_mb": None if b is None or b.uss_mb is None else round(b.uss_mb, 1),
+            }
+        )
+
+    def total(items: list[ProcessMemory], uss: bool) -> float | None:
+        values = [m.uss_mb if uss else m.rss_mb for m in items]
+        return None if not items or None in values else round(sum(values), 1)
+
+    out = {
+        "per_process": roles,
+        "adatree_rss_total_mb": total(ours, False),
+        "reference_rss_total_mb": total(reference, False),
+        "adatree_uss_total_mb": total(ours, True),
+        "reference_uss_total_mb": total(reference, True),
+    }
+    if out["adatree_uss_total_mb"] is not None and out["reference_uss_total_mb"] is not None:
+        out["adatree_part_uss_mb"] = round(
+            out["adatree_uss_total_mb"] - out["reference_uss_total_mb"], 1
+        )
+    return out

@@ -1,0 +1,236 @@
+"""The soak's parts without a server: its schedule at 3 and 30 minutes, the SQLite faults on a
+real file (the dashboard answers 503 and then 200 again, no committed row lost), the pin rule,
+dashboard errors inside and outside planned outages, the RSS slope, bad-request refusals, the
+greedy comparison, and the report's checks."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from admin_helpers import TOKEN, log_in, seed_run
+from sglang_adatree.admin import create_app
+from sqlalchemy import func, select
+
+from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.telemetry import store
+from sglang_adatree.telemetry.models import Step
+from sglang_adatree.tools.soak import bad_requests, memory, report
+from sglang_adatree.tools.soak.faults import SqliteFaults
+from sglang_adatree.tools.soak.operator_client import PinAction
+from sglang_adatree.tools.soak.schedule import Phase, Schedule
+from sglang_adatree.tools.soak.tally import DashboardResponse, GreedyAnswers
+
+
+def test_the_30_minute_schedule_is_the_issues():
+    s = Schedule.for_minutes(30)
+    assert [(p.phase, p.seconds) for p in s.phases] == [
+        (Phase.IDLE, 30.0),
+        (Phase.BURST, 90.0),
+        (Phase.POISSON, 120.0),
+    ]
+    assert (s.pin_cycle_s, s.retrain_every_s) == (60.0, 600.0)
+    assert len(s.faults) == 1
+    w = s.faults[0]
+    assert (w.deleted_s - w.start_s, w.end_s - w.deleted_s) == (60.0, 30.0)
+    assert s.burst_concurrency == 8 and s.abort_fraction == 0.1
+
+
+def test_a_3_minute_schedule_keeps_every_activity_at_its_floor():
+    s = Schedule.for_minutes(3)
+    assert [p.seconds for p in s.phases] == [10.0, 20.0, 20.0]
+    assert s.pin_cycle_s == 20.0 and s.retrain_every_s == 60.0
+    (w,) = s.faults
+    assert w.start_s == pytest.approx(63.0) and w.end_s == pytest.approx(83.0)
+    assert s.in_fault(70.0) and not s.in_fault(90.0) and s.in_fault(86.0, grace_s=5.0)
+    assert s.phase_at(0.0)[0].phase is Phase.IDLE
+    assert s.phase_at(15.0) == (s.phases[1], pytest.approx(15.0))
+    assert s.phase_at(55.0)[0].phase is Phase.IDLE  # the cycle repeats
+
+
+def test_an_hour_repeats_the_faults_every_30_minutes():
+    s = Schedule.for_minutes(60)
+    assert [w.start_s for w in s.faults] == [630.0, 2430.0]
+    with pytest.raises(ValueError):
+        Schedule.for_minutes(0)
+
+
+@pytest.fixture
+def private_db():
+    """A migrated database with rows, in a directory the faults may make read-only."""
+    root = Path(tempfile.mkdtemp(prefix="adatree-soak-faults-"))
+    url = f"sqlite:///{root / 'soak.sqlite'}?timeout=0.2"
+    store.upgrade(url)
+    seed_run(url, 300, seed=3)
+    yield url
+    store.get_engine(url).dispose()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _rows(url: str) -> int:
+    with store.get_engine(url).connect() as conn:
+        return conn.execute(select(func.count()).select_from(Step)).scalar_one()
+
+
+def test_sqlite_read_only_deleted_and_restored_loses_nothing(private_db):
+    url = private_db
+    rows = _rows(url)
+    operator = log_in(
+        create_app(
+            {"ADATREE_ADMIN_TOKEN": TOKEN, "ADATREE_DB_URL": url, "ADATREE_CONFIG": AdaTreeConfig()}
+        ).test_client()
+    )
+    pin = {"shape": "3,1,4", "reason": "soak"}
+    faults = SqliteFaults(store.sqlite_path(url))
+    try:
+        faults.read_only()
+        assert operator.post_json("/api/pins", pin).status_code == 503
+        faults.delete()
+        assert not store.sqlite_path(url).exists()
+        assert operator.get("/api/runs").status_code == 503
+        faults.restore()
+        assert operator.get("/api/runs").status_code == 200
+        assert operator.post_json("/api/pins", pin).status_code == 201
+    finally:
+        faults.heal()
+    assert _rows(url) == rows
+    assert not faults.backup_dir.exists()
+
+
+def test_heal_undoes_a_fault_left_half_done(private_db):
+    path = store.sqlite_path(private_db)
+    faults = SqliteFaults(path)
+    faults.read_only()
+    faults.delete()
+    faults.heal()  # the soak was interrupted while the database was gone
+    assert path.exists() and _rows(private_db) == 300
+    path.unlink()  # and nothing is still immutable
+
+
+def _row(t: float, shape: str, source: str) -> SimpleNamespace:
+    steps, topk, ndt = (int(x) for x in shape.split(","))
+    return SimpleNamespace(
+        wall_time=t, steps=steps, topk=topk, num_draft_tokens=ndt, decision_source=source
+    )
+
+
+def test_a_pin_is_obeyed_within_a_poll_and_two_steps():
+    pin = PinAction("3,1,4", posted_s=10.0, status=201, pin_id=1, created_at=1000.0)
+    rows = [
+        _row(1000.5, "0,1,1", "model"),  # before the poll could have read it
+        _row(1001.6, "2,2,4", "model"),  # running when the pin was handed over
+        _row(1001.9, "0,1,1", "catch-up"),
+        _row(1002.0, "3,1,4", "pin"),
+        _row(1002.1, "3,1,4", "pin"),
+    ]
+    out = report._pin_outcome(pin, rows, poll_s=1.0)
+    assert out["obeyed"] and out["late_steps"] == 1
+    assert out["first_pinned_step_after_s"] == 2.0
+
+
+def test_a_pin_ignored_for_steps_or_broken_later_is_not_obeyed():
+    pin = PinAction("3,1,4", posted_s=10.0, status=201, pin_id=1, created_at=1000.0)
+    late = [_row(1002.0 + 0.1 * i, "2,2,4", "model") for i in range(3)]
+    out = report._pin_outcome(pin, [*late, _row(1003.0, "3,1,4", "pin")], poll_s=1.0)
+    assert not out["obeyed"] and out["late_steps"] == 3
+    broken = [_row(1001.0, "3,1,4", "pin"), _row(1001.1, "2,2,4", "explore")]
+    out = report._pin_outcome(pin, broken, poll_s=1.0)
+    assert not out["obeyed"] and out["steps_not_obeying"] == 1
+    assert not report._pin_outcome(pin, [], poll_s=1.0)["obeyed"]
+
+
+def test_only_503s_inside_planned_outages_are_expected():
+    responses = [
+        DashboardResponse(10.0, "browser", "GET", "/api/overview", 200),
+        DashboardResponse(65.0, "operator", "POST", "/api/pins", 503),
+        DashboardResponse(86.0, "browser", "GET", "/api/overview", 503),  # within the grace
+        DashboardResponse(95.0, "browser", "GET", "/api/overview", 503),
+        DashboardResponse(70.0, "browser", "GET", "/shapes", 500),
+    ]
+    out = report.dashboard_summary(responses, [(63.0, 83.0)])
+    assert out["dashboard_requests"] == 5
+    assert out["dashboard_503_planned"] == 2
+    assert out["dashboard_5xx"] == 2
+    assert out["dashboard_requests_by_client"] == {"browser": 4, "operator": 1}
+
+
+def test_rss_slope():
+    flat = [(float(t), 1000.0 + (t % 2) * 0.5) for t in range(0, 600, 5)]
+    assert abs(memory.slope_mb_per_min(flat)) < 0.1
+    leak = [(float(t), 1000.0 + t / 60.0 * 3.0) for t in range(0, 600, 5)]
+    assert memory.slope_mb_per_min(leak) == pytest.approx(3.0)
+    assert memory.slope_mb_per_min(leak[:2]) is None
+
+
+def test_memory_comparison_names_what_is_adatrees():
+    ours = [memory.ProcessMemory("sglang::scheduler", 1, 3100.0, 2700.0)]
+    theirs = [memory.ProcessMemory("sglang::scheduler", 2, 2900.0, 2500.0)]
+    out = memory.comparison(ours, theirs)
+    assert out["adatree_part_uss_mb"] == 200.0
+    assert out["per_process"][0]["role"] == "sglang::scheduler"
+
+
+def test_bad_request_refusals_are_judged_by_status_and_message(monkeypatch):
+    class Response:
+        def __init__(self, status: int, body: dict | None = None, text: str = "") -> None:
+            self.status_code, self._body, self.text = status, body, text
+
+        def json(self):
+            if self._body is None:
+                raise ValueError("not JSON")
+            return self._body
+
+    answers = iter(
+        [
+            Response(400, {"error": {"message": "the prompt is empty"}}),
+            Response(500, {"error": "boom"}),
+            Response(400, None, ""),
+            Response(200, None, 'data: {"error": {"message": "empty", "code": 400}}\n'),
+        ]
+    )
+    monkeypatch.setattr(bad_requests.requests, "post", lambda *a, **kw: next(answers))
+    plain = bad_requests.BadRequest("x", "/generate", {"text": ""})
+    streamed = bad_requests.BadRequest("s", "/generate", {"text": ""}, streamed=True)
+    assert bad_requests.send("http://h", plain).clear
+    assert not bad_requests.send("http://h", plain).clear  # a 5xx
+    assert not bad_requests.send("http://h", plain).clear  # no message
+    assert bad_requests.send("http://h", streamed).clear  # the stream's error event
+    names = [b.name for b in bad_requests.bad_requests()]
+    assert len(names) == len(set(names)) >= 12
+
+
+def test_greedy_answers_compared_token_for_token():
+    greedy = GreedyAnswers(("a", "b"), ((1, 2, 3), (4, 5)))
+    assert greedy.check(0, [1, 2, 3], 1.0)
+    assert not greedy.check(1, [4, 6], 2.0)
+    out = greedy.to_json()
+    assert (out["answers_compared"], out["answers_differing"]) == (2, 1)
+    assert out["differing"][0]["first_differing_token"] == 1
+
+
+def test_checks_fail_on_any_must_show_property():
+    good = {
+        "server_crashes": 0,
+        "answers_compared": 8,
+        "answers_differing": 0,
+        "dashboard_5xx": 0,
+        "rows_unaccounted": 0,
+        "rss_slope_mb_per_min": 0.2,
+        "pins_applied": 5,
+        "pins_obeyed": 5,
+        "bad_requests": {"sent": 15, "refused_clearly": 15},
+        "requests": {"served": 40},
+    }
+    assert all(report.checks(good, rss_slope_limit=1.0).values())
+    for key, value in (
+        ("server_crashes", 1),
+        ("answers_differing", 1),
+        ("dashboard_5xx", 1),
+        ("rows_unaccounted", 3),
+        ("rss_slope_mb_per_min", 1.5),
+        ("pins_obeyed", 4),
+    ):
+        assert not all(report.checks({**good, key: value}, rss_slope_limit=1.0).values()), key
