@@ -19,6 +19,7 @@ from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.models import Step
 from sglang_adatree.tools.soak import bad_requests, memory, report
+from sglang_adatree.tools.soak.activities import FaultLog, after_faults, fault_events, times
 from sglang_adatree.tools.soak.faults import SqliteFaults
 from sglang_adatree.tools.soak.operator_client import PinAction
 from sglang_adatree.tools.soak.schedule import Phase, Schedule
@@ -45,7 +46,6 @@ def test_a_3_minute_schedule_keeps_every_activity_at_its_floor():
     assert s.pin_cycle_s == 20.0 and s.retrain_every_s == 60.0
     (w,) = s.faults
     assert w.start_s == pytest.approx(63.0) and w.end_s == pytest.approx(83.0)
-    assert s.in_fault(70.0) and not s.in_fault(90.0) and s.in_fault(86.0, grace_s=5.0)
     assert s.phase_at(0.0)[0].phase is Phase.IDLE
     assert s.phase_at(15.0) == (s.phases[1], pytest.approx(15.0))
     assert s.phase_at(55.0)[0].phase is Phase.IDLE  # the cycle repeats
@@ -234,3 +234,28 @@ def test_checks_fail_on_any_must_show_property():
         ("pins_obeyed", 4),
     ):
         assert not all(report.checks({**good, key: value}, rss_slope_limit=1.0).values()), key
+
+
+def test_fault_events_open_and_close_the_planned_outage(private_db):
+    class Clock:
+        t = 0.0
+
+        def now(self) -> float:
+            return self.t
+
+    clock, log = Clock(), FaultLog()
+    schedule = Schedule.for_minutes(3)
+    faults = SqliteFaults(store.sqlite_path(private_db))
+    events = fault_events(faults, schedule, clock, log)
+    assert [t for t, _ in events] == [pytest.approx(63.0), 73.0, 83.0]
+    try:
+        for t, action in events:
+            clock.t = t
+            action()
+    finally:
+        faults.heal()
+    assert [s["what"] for s in log.steps] == ["read-only", "deleted", "restored"]
+    assert log.outages == [(pytest.approx(63.0), 83.0)]
+    assert log.planned(70.0, 5.0) and log.planned(87.0, 5.0) and not log.planned(90.0, 5.0)
+    assert after_faults(70.0, schedule) == 88.0 and after_faults(30.0, schedule) == 30.0
+    assert times(10.0, 20.0, 60.0) == [10.0, 30.0, 50.0]

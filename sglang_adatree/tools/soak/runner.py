@@ -155,10 +155,11 @@ def run_soak(options: SoakOptions, log: Callable[[str], None] = print) -> dict[s
     )
     result: dict[str, Any] = {}
     with ExitStack() as stack:
-        if db.faults is not None:
-            stack.callback(db.faults.heal)
+        # Callbacks run last-in first-out: faults are healed before the cluster is removed.
         if db.cluster is not None:
             stack.callback(db.cluster.close)
+        if db.faults is not None:
+            stack.callback(db.faults.heal)
         env = {"ADATREE_CONTROL_POLL_S": str(options.control_poll_s)}
         reference = plan.start("ar", work, None, {})
         stack.callback(reference.stop)

@@ -125,11 +125,6 @@ class Schedule:
             offset -= p.seconds
         return self.phases[-1], 0.0  # not reached: offset < cycle
 
-    def in_fault(self, t: float, grace_s: float = 0.0) -> bool:
-        """Whether ``t`` falls in a planned outage (``grace_s`` past its end, for requests
-        that were answered while it ended)."""
-        return any(w.start_s <= t <= w.end_s + grace_s for w in self.faults)
-
     def to_json(self) -> dict:
         return {
             "minutes": self.minutes,

@@ -28,10 +28,6 @@ class SoakClock:
     def wall(self, t: float) -> float:
         return self._wall + t
 
-    def at(self, wall_time: float) -> float:
-        """The soak time of a unix time (telemetry rows, pins)."""
-        return wall_time - self._wall
-
 
 class RequestTally:
     """Load requests by outcome: served, aborted by the client, or failed by cause."""
