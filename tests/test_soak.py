@@ -77,6 +77,7 @@ def test_every_decode_step_is_a_row_or_counted(soak):
 def test_the_database_outage_was_planned_and_only_it_answered_503(soak):
     result, _ = soak
     assert [f["what"] for f in result["faults"]] == ["read-only", "deleted", "restored"]
+    assert not [f for f in result["faults"] if "error" in f], result["faults"]
     assert result["dashboard_5xx"] == 0, result["dashboard_5xx_examples"]
     assert result["dashboard_503_planned"] >= 1
     by_client = result["dashboard_requests_by_client"]

@@ -89,8 +89,12 @@ def fault_events(
             before = clock.now()
             if opens:  # from the first moment: the action itself takes time
                 log.outages.append((before, float("inf")))
-            action()
-            log.steps.append({"at_s": round(before, 1), "what": what})
+            entry: dict = {"at_s": round(before, 1), "what": what}
+            try:
+                action()
+            except Exception as exc:  # the window goes on: the next step may still work
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+            log.steps.append(entry)
             if closes:
                 log.outages[-1] = (log.outages[-1][0], clock.now())
 
