@@ -38,6 +38,8 @@ def _role(process: psutil.Process) -> str:
         return first
     if "sglang.launch_server" in cmdline or any("adatree" in c for c in cmdline[:2]):
         return "launcher (HTTP server, tokenizer)"
+    if any("resource_tracker" in c for c in cmdline):
+        return "multiprocessing resource tracker"
     return first.rsplit("/", 1)[-1]
 
 
