@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 from sglang_adatree.lab.profiles import TableProfile
 from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
 from sglang_adatree.lab.simulator import (
+    PREFILL_TOKENS_PER_STEP,
     Arrivals,
     SimConfig,
     controller_chooser_factory,
@@ -55,6 +57,20 @@ def test_a_run_is_a_pure_function_of_its_inputs():
     other = SimConfig(sim.arrivals, 12, noise=0.05, drift=0.1, seed=1)
     c = simulate(TRACES, profile(), other, make, "x")
     assert c.goodput_tok_s != a.goodput_tok_s
+
+
+def test_a_prefill_costs_a_step_without_speculation_per_64_prompt_tokens():
+    from sglang_adatree.lab.simulator import _Machine
+
+    table = profile()
+    machine = _Machine(table, SimConfig(Arrivals("closed", concurrency=1), num_requests=1))
+    for prompt in (1, 100, 640):
+        step = table.step_ms(StepFeatures(1, 1, prompt, 1), NO_SPEC)
+        expected = step * (1 + prompt / PREFILL_TOKENS_PER_STEP)
+        assert machine.prefill_ms(prompt) == pytest.approx(expected)
+    # A long prompt is dearer than a short one, and far cheaper than a decode step per token.
+    assert machine.prefill_ms(640) > machine.prefill_ms(100)
+    assert machine.prefill_ms(640) < 640 * table.step_ms(StepFeatures(1, 1, 640, 1), NO_SPEC) / 10
 
 
 def test_every_token_of_every_request_is_served_once():

@@ -8,8 +8,8 @@ request emits what its trace says for that shape at its position; a request that
 whole answer leaves the batch. Time advances by the profile's step time, scaled by the machine's
 speed (an Ornstein-Uhlenbeck walk in log speed, ``drift`` its stationary sigma) and per-step
 noise (``noise``, log-normal sigma); both are seeded, so a run is a pure function of its
-inputs. A prefill of ``P`` prompt tokens costs what the profile charges a step without
-speculation over ``P`` rows (one forward over that many tokens).
+inputs. A prefill of ``P`` prompt tokens costs ``1 + P / PREFILL_TOKENS_PER_STEP`` steps
+without speculation at that context (``_Machine.prefill_ms``).
 
 The policy under test is driven the way the SGLang worker drives it: through
 ``core.controller.StepController`` (adatree and the re-implemented baselines, catch-up steps,
@@ -46,6 +46,10 @@ from sglang_adatree.lab.profiles import StepTimeProfile
 from sglang_adatree.lab.traces import RequestTrace, TraceSet
 
 CHAIN_1 = TreeShape(1, 1, 2)
+# A prefill's prompt tokens run as one batched forward, many tokens for about the price of one
+# decode step: a prefill costs one step without speculation per this many prompt tokens, and
+# one more (the bundled target's served TTFTs on a CPU are in that range, docs/lab.md).
+PREFILL_TOKENS_PER_STEP = 64
 # The machine's speed walks in log space on a fixed time grid: every policy of a scenario sees
 # the same speed at the same simulated time, however many steps it takes to get there.
 SPEED_TICK_S = 0.05
@@ -190,9 +194,10 @@ class _Machine:
         return true_ms * math.exp(float(self.noise_rng.normal(0.0, self.noise)))
 
     def prefill_ms(self, prompt_tokens: int) -> float:
-        rows = max(1, prompt_tokens)
-        features = StepFeatures(rows, rows, rows, 1)
-        return self.profile.step_ms(features, NO_SPEC) * self.speed
+        """A prefill over ``prompt_tokens``: one step without speculation per
+        ``PREFILL_TOKENS_PER_STEP`` prompt tokens, and one more."""
+        one = self.profile.step_ms(StepFeatures(1, 1, max(1, prompt_tokens), 1), NO_SPEC)
+        return one * (1.0 + prompt_tokens / PREFILL_TOKENS_PER_STEP) * self.speed
 
 
 # A chooser sees the running requests and the features, returns the shape, whether the step is a
