@@ -186,7 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "request_prior_steps",
-        2.0,
+        8.0,
         "[0, 1e6]",
         "pseudo-steps at the estimator's acceptance behind each request's own acceptance "
         "factor (large: every request is the estimator's)",
@@ -197,7 +197,8 @@ SETTINGS: tuple[Setting, ...] = (
         "request_keep",
         0.8,
         "[0, 1)",
-        "weight a request's older verify steps keep per step in its acceptance factor",
+        "weight a request's older verify steps keep per step in its acceptance factor (a step "
+        "without speculation ages them too)",
         _float,
         lambda v: 0.0 <= v < 1.0,
     ),

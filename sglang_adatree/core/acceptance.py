@@ -395,6 +395,11 @@ class RequestAcceptance:
     (each older step's weight kept ``keep`` per step), shrunk towards 1 by ``prior_steps``
     pseudo-steps: a new request is the estimator's, a few steps make it its own. The batch needs
     only the mean factor, since the expectation is linear in it.
+
+    A step that verifies nothing for a request (no speculation) ages its evidence as a verify
+    step would (``age``): a factor pulled down by an unlucky streak would otherwise price every
+    tree out for the rest of the request, and a request served without speculation measures
+    nothing that could lift it again.
     """
 
     def __init__(self, prior_steps: float, keep: float, max_requests: int = 4096) -> None:
@@ -433,6 +438,19 @@ class RequestAcceptance:
             e.ratio_sum = self.keep * e.ratio_sum + a / expected
             e.weight = self.keep * e.weight + 1.0
             e.seen = self._counter
+        self._forget_departed()
+
+    def age(self, request_ids: Sequence[str]) -> None:
+        """One step that verified nothing for ``request_ids``: their evidence keeps ``keep``."""
+        self._counter += 1
+        for request_id in request_ids:
+            e = self._evidence.get(request_id)
+            if e is not None:
+                e.ratio_sum *= self.keep
+                e.weight *= self.keep
+                e.seen = self._counter
+
+    def _forget_departed(self) -> None:
         if len(self._evidence) > self.max_requests:
             # Requests that left (finished, aborted) stop being seen: forget the oldest half.
             by_age = sorted(self._evidence.items(), key=lambda kv: kv[1].seen)

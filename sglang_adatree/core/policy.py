@@ -9,12 +9,16 @@ step time``. Each step, in order of precedence:
 2. warm-up: the first ``warmup_steps`` decisions cycle through the candidates in shape order so
    every shape gets measured (``WARMUP``).
 3. exploration: on a deterministic ``explore_fraction`` of steps (a phase drawn from
-   ``explore_seed``, then evenly spaced by the step counter) the candidate with the fewest
-   measured steps is run (``EXPLORE``), ties broken by shape order. Only candidates whose
-   predicted goodput is within ``explore_max_loss`` (relative) of the best are eligible, so an
-   exploring step costs at most that share of a step: measured on a CPU, unbounded exploration
-   spent 2% of the steps on trees two to four times slower than plain decoding, 3-5% of the
-   throughput. A shape predicted that far off would have to be mispredicted by as much to win.
+   ``explore_seed``, then evenly spaced by the step counter) another shape runs
+   (``EXPLORE``): on every other exploring step the runner-up, the shape the decision turns
+   on (a stale estimate of a near tie is what keeps the policy on the wrong side of it: one
+   low estimate of the shape that would win is never re-measured while the other runs), and
+   on the rest the candidate with the fewest measured steps, ties broken by shape order, so
+   every eligible shape keeps some evidence. Only candidates whose predicted goodput is within
+   ``explore_max_loss`` (relative) of the best are eligible, so an exploring step costs at
+   most that share of a step: measured on a CPU, unbounded exploration spent 2% of the steps
+   on trees two to four times slower than plain decoding, 3-5% of the throughput. A shape
+   predicted that far off would have to be mispredicted by as much to win.
 4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``.
@@ -137,6 +141,7 @@ class Policy:
             [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
         )
         self._explore_phase = random.Random(config.explore_seed).random()
+        self._explorations = 0
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         # Per candidate: the most a step can emit, and whether it speculates.
         self._max_emitted = np.array([s.steps + 1.0 for s in self.candidates])
@@ -169,15 +174,15 @@ class Policy:
             return self._decision(
                 self.candidates[step % len(self.candidates)], DecisionSource.WARMUP, times, emitted
             )
-        if self._explores(step - warmup):
-            explored = self._explored(times, emitted)
-            return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         # Goodput up to the batch size, which is common to all candidates.
         score = emitted * self._margin / times  # [candidates]
         best = int(np.argmax(score))
         current = self._index.get(self.current) if self.current is not None else None
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
+        if self._explores(step - warmup):
+            explored = self._explored(emitted / times, best)
+            return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
         return self._decision(self.current, source, times, emitted)
@@ -199,6 +204,8 @@ class Policy:
                 expected = self.acceptance.expected_emitted(shape) - 1.0
                 self.requests.observe(request_ids, accepted, expected)
             self.acceptance.observe(shape, stats.num_children, stats.accepted_rank)
+        elif request_ids:
+            self.requests.age(request_ids)
         i = self._index.get(shape)
         if i is not None:
             self.measured[i] += 1
@@ -218,11 +225,17 @@ class Policy:
             (k - 1) * f + self._explore_phase
         )
 
-    def _explored(self, times: np.ndarray, emitted: np.ndarray) -> TreeShape:
-        """The least-measured candidate among those predicted to lose at most
-        ``explore_max_loss`` of the best goodput (the best itself always qualifies)."""
-        goodput = emitted / times  # [candidates], per request: the batch size is common
+    def _explored(self, goodput: np.ndarray, chosen: int) -> TreeShape:
+        """The shape an exploring step runs instead of ``chosen``: alternately the runner-up
+        and the least-measured candidate, among those whose ``goodput`` ``[candidates]`` is
+        within ``explore_max_loss`` of the best (``chosen`` itself when no other one is)."""
+        self._explorations += 1
         eligible = goodput >= (1.0 - self.config.explore_max_loss) * goodput.max()
+        eligible[chosen] = False
+        if not eligible.any():
+            return self.candidates[chosen]
+        if self._explorations % 2:
+            return self.candidates[int(np.argmax(np.where(eligible, goodput, -np.inf)))]
         counts = np.where(eligible, self.measured, np.iinfo(np.int64).max)
         return self.candidates[int(np.argmin(counts))]
 
