@@ -36,6 +36,11 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     assert by["oracle-static"]["ratio_to_oracle_static"] == 1.0
     assert by["per-step-oracle"]["ratio_to_per_step_oracle"] == 1.0
     assert abs(sum(by["adatree"]["shape_shares"].values()) - 1.0) < 1e-3
+    gap = by["adatree"]["gap_by_cause"]  # the causes add up to the gap to the per-step oracle
+    assert set(gap) == {"acceptance", "step-time", "exploration", "switching", "rest"}
+    assert sum(gap.values()) == pytest.approx(
+        1 - by["adatree"]["ratio_to_per_step_oracle"], abs=2e-3
+    )
     assert "shapes chosen over time" in page.read_text()
     assert "adatree" in capsys.readouterr().out
     # Deterministic: the same command gives the same rows.

@@ -2,7 +2,8 @@
 
 One row per (scenario, policy) with the fields ``adatree simulate --out`` promises: ``policy,
 scenario, goodput_tok_s, tpot_ms_p50, tpot_ms_p99, accept_len_mean, steps, shape_shares,
-ratio_to_oracle_static, ratio_to_per_step_oracle`` and what the scenario replayed. The summary
+ratio_to_oracle_static, ratio_to_per_step_oracle`` and what the scenario replayed; adatree's row
+also splits its gap to the per-step oracle by cause (``gap_by_cause``). The summary
 names the best single static shape over the grid (the one with the best geometric mean of its
 ratio to each scenario's oracle static shape) and adatree's geometric-mean ratios to it, to the
 oracle static shape and to the per-step oracle, and its worst ratio to ``ar``.
@@ -65,6 +66,9 @@ def rows(replayed: Sequence[Replayed]) -> list[dict[str, Any]]:
                     "oracle_static_shape": res.oracle_static,
                 }
             )
+            if policy == "adatree" and res.decomposition:
+                # adatree's gap to the per-step oracle by cause, as shares of the oracle's goodput
+                out[-1]["gap_by_cause"] = {k: round(v, 4) for k, v in res.decomposition.items()}
     return out
 
 
