@@ -143,9 +143,9 @@ def test_exploration_measures_the_least_measured_shapes_when_unbounded():
     decisions = run(policy, 600, np.random.default_rng(0))
     explored = [d for d in decisions if d.source == "explore"]
     assert len(explored) == pytest.approx(0.05 * (600 - 12), abs=1)
-    # The model settles on few shapes; exploration keeps measuring all the rest: half the
-    # exploring steps go to the least-measured shapes, so after the warm-up's one step each,
-    # 29 exploring steps give each of the 12 shapes at least one more.
+    # The model settles on few shapes; exploration keeps measuring all the rest: of the 29
+    # exploring steps, the half that go to the least-measured shapes give each shape at least
+    # one more step after the warm-up's one (the other half re-measure the runner-up).
     model_shapes = {d.shape for d in decisions if d.source == "fallback"}
     assert len(model_shapes) < len(DEFAULT_CANDIDATES)
     assert {d.shape for d in explored} >= set(DEFAULT_CANDIDATES) - model_shapes
