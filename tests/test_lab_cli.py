@@ -3,11 +3,14 @@ seconds, in CI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from sglang_adatree import cli
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES
+from sglang_adatree.lab.hardware import analytic_gpu_profile
 from sglang_adatree.lab.scenarios import all_scenarios
 
 FIELDS = {
@@ -49,13 +52,42 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     assert json.loads(again.read_text()) == rows
 
 
+def test_a_profile_file_replaces_the_scenarios_profile(tmp_path):
+    """``--profile FILE``: the step times of a profile file (a machine twice as slow here)."""
+    h100 = analytic_gpu_profile("h100-sxm", DEFAULT_CANDIDATES)
+    slow = dataclasses.replace(h100, name="h100-half-speed", ms=h100.ms * 2.0)
+    slow.save(tmp_path / "slow.json")
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet", "--no-decompose"]
+    base, halved = tmp_path / "base.json", tmp_path / "halved.json"
+    assert cli.main([*args, "--out", str(base)]) == 0
+    assert cli.main([*args, "--profile", str(tmp_path / "slow.json"), "--out", str(halved)]) == 0
+    before = {r["policy"]: r for r in json.loads(base.read_text())}
+    after = {r["policy"]: r for r in json.loads(halved.read_text())}
+    assert after["ar"]["profile"].startswith("h100-half-speed")
+    for policy in ("ar", "static:3,1,4"):
+        ratio = after[policy]["goodput_tok_s"] / before[policy]["goodput_tok_s"]
+        # Not exactly half: the machine's slow drift is a walk on a fixed time grid, so a run
+        # twice as long meets more of it.
+        assert ratio == pytest.approx(0.5, rel=0.02)
+        assert after[policy]["steps"] == before[policy]["steps"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--scenario", "nope"], "unknown scenario nope"),
         (["--scenario", "smoke-h100-c1", "--profile-from-db", "sqlite:////nonexistent/x.db"], ""),
+        (["--scenario", "smoke-h100-c1", "--profile", "/nonexistent/p.json"], "not found"),
+        (["--scenario", "smoke-h100-c1", "--profile", "b200"], "known "),
     ],
 )
 def test_bad_input_is_refused_with_a_message(args, message, capsys):
     assert cli.main(["simulate", *args, "--quiet"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_profile_is_refused(tmp_path, capsys):
+    (tmp_path / "rows.json").write_text(json.dumps([{"policy": "ar"}]))
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet", "--profile"]
+    assert cli.main([*args, str(tmp_path / "rows.json")]) == 2
+    assert "not a step-time profile" in capsys.readouterr().err

@@ -5,10 +5,13 @@
     adatree simulate --grid default --out grid.json --html grid.html
     adatree simulate --scenario models-cpu-eagle-mtbench-c1 --prompts my.jsonl
     adatree simulate --scenario load-h100-c16 --profile-from-db postgresql://...
+    adatree simulate --grid validation --profile h100-sxm | --profile my-profile.json
 
 ``--prompts FILE.jsonl`` replays the scenario with exact traces of that prompt file under the
 scenario's bundled draft (built once, cached). ``--profile-from-db URL`` charges the step times a
-deployment recorded in its telemetry database instead of the scenario's profile. The policies
+deployment recorded in its telemetry database instead of the scenario's profile; ``--profile``
+charges another named profile's, or a profile file's (``adatree profile --profile-out`` writes
+one). The policies
 are the serving loop's own code, configured like a server (``ADATREE_*`` environment and config
 file) except the candidate shapes, which are the scenario's.
 """
@@ -40,7 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the rows as a JSON list here")
     parser.add_argument("--html", type=Path, help="write an HTML report with charts here")
     parser.add_argument("--prompts", help="a JSONL file (or a prompt set): exact traces of it")
-    parser.add_argument("--profile-from-db", metavar="URL", help="a deployment's step times")
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument("--profile-from-db", metavar="URL", help="a deployment's step times")
+    profile.add_argument(
+        "--profile",
+        metavar="NAME|FILE",
+        help="another step-time profile: a name (cpu-2core, h100-sxm, ...) or a profile JSON file",
+    )
     parser.add_argument("--seed", type=int, default=None, help="override the scenarios' seed")
     parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
     parser.add_argument("--home", default=None, help="data directory (traces are cached there)")
@@ -67,6 +76,8 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
             s = dataclasses.replace(s, traces=f"{pair}:{args.prompts}")
         if args.profile_from_db:
             s = dataclasses.replace(s, profile=f"db:{args.profile_from_db}")
+        if args.profile:
+            s = dataclasses.replace(s, profile=args.profile)
         if args.seed is not None:
             s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, seed=args.seed))
         out.append(s)

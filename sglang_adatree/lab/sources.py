@@ -123,20 +123,29 @@ def _exact(
 
 
 def load_profile(name: str, shapes: Sequence[TreeShape]) -> StepTimeProfile:
-    """The step-time profile ``name`` names (``lab.scenarios``), covering ``shapes``."""
+    """The step-time profile ``name`` names (``lab.scenarios``), or the profile file at that
+    path (``*.json``, as ``adatree profile --profile-out`` writes), covering ``shapes``."""
     if name.startswith("db:"):
         from sglang_adatree.lab.measured import profile_from_telemetry
 
         return profile_from_telemetry(name[3:], shapes=tuple(shapes))
     from sglang_adatree.lab.hardware import GPUS, analytic_gpu_profile
 
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SourceError(f"profile file {name}: not found")
+        try:
+            return _covering(TableProfile.load(path), shapes)
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise SourceError(f"profile file {name}: not a step-time profile ({exc!r})") from exc
     committed = DATA_DIR / f"{name}.json"
     if committed.is_file():
         return _covering(TableProfile.load(committed), shapes)
     if name in GPUS:
         return _covering(analytic_gpu_profile(name, tuple(shapes)), shapes)
     known = sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(GPUS))
-    raise SourceError(f"profile {name!r}: known {', '.join(known)} or db:URL")
+    raise SourceError(f"profile {name!r}: known {', '.join(known)}, db:URL or a FILE.json")
 
 
 def _covering(profile: TableProfile, shapes: Sequence[TreeShape]) -> TableProfile:
