@@ -5,11 +5,17 @@ greedy comparison, and the report's checks."""
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from admin_helpers import TOKEN, log_in, seed_run
 from sglang_adatree.admin import create_app
@@ -163,6 +169,49 @@ def test_rss_slope():
     leak = [(float(t), 1000.0 + t / 60.0 * 3.0) for t in range(0, 600, 5)]
     assert memory.slope_mb_per_min(leak) == pytest.approx(3.0)
     assert memory.slope_mb_per_min(leak[:2]) is None
+
+
+def test_rss_late_slope_tells_settling_growth_from_a_leak():
+    t = range(0, 1800, 5)
+    settling = [(float(x), 5000.0 + 300.0 * (1 - math.exp(-x / 300.0))) for x in t]
+    leak = [(float(x), 5000.0 + x / 60.0 * 2.0) for x in t]
+    s = memory._series_json(settling, warmup_s=540.0)
+    assert s["slope_mb_per_min"] > 1.0
+    assert s["late_slope_mb_per_min"] < s["slope_mb_per_min"] / 3
+    s = memory._series_json(leak, warmup_s=540.0)
+    assert s["slope_mb_per_min"] == pytest.approx(2.0)
+    assert s["late_slope_mb_per_min"] == pytest.approx(2.0)
+
+
+def test_rss_sampler_follows_each_process_of_the_tree():
+    """A real process tree: this process and a child that allocates and holds 64 MB."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys,time; b = bytearray(64 << 20); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        clock = SimpleNamespace(t=0.0)
+        clock.now = lambda: clock.t
+        sampler = memory.RssSampler(os.getpid(), clock, every_s=5.0)
+        sampler._sample()
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # the child's 64 MB are resident
+            if psutil.Process(child.pid).memory_info().rss > 60 * memory.MB:
+                break
+            time.sleep(0.1)
+        clock.t = 5.0
+        sampler._sample()
+        child_role = memory._role(psutil.Process(child.pid))
+    finally:
+        child.communicate(b"", timeout=30)
+    out = sampler.to_json(warmup_s=0.0)
+    assert [t for t, _ in out["samples"]] == [0.0, 5.0]
+    roles = {p["role"]: p for p in out["per_process"]}
+    assert child_role in roles
+    total_end = sum(p["end_mb"] for p in out["per_process"])
+    assert total_end == pytest.approx(out["end_mb"], abs=0.2)
+    grown = max(roles.values(), key=lambda p: p["end_mb"] - p["start_mb"])
+    assert grown["end_mb"] - grown["start_mb"] > 50.0
 
 
 def test_memory_comparison_names_what_is_adatrees():

@@ -88,13 +88,17 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float | None:
 
 
 class RssSampler:
-    """The tree's total RSS every ``every_s`` seconds, on a daemon thread."""
+    """The tree's RSS every ``every_s`` seconds, in total and per process role, on a daemon
+    thread. Per role, so a slope says which process grows: the scheduler (the models, the
+    draft's runtime state, adatree's controller and telemetry writer) or SGLang's others."""
 
     def __init__(self, pid: int, clock, every_s: float) -> None:
         self.pid = pid
         self.clock = clock
         self.every_s = every_s
         self.samples: list[tuple[float, float]] = []
+        self.by_role: dict[str, list[tuple[float, float]]] = {}
+        self._roles: dict[int, str] = {}  # pid -> role: a process's title is read once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
 
@@ -105,23 +109,54 @@ class RssSampler:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def _sample(self) -> None:
+        now = self.clock.now()
+        roles: dict[str, float] = {}
+        for p in tree(self.pid):
+            with contextlib.suppress(psutil.Error):
+                role = self._roles.get(p.pid)
+                if role is None:
+                    role = self._roles[p.pid] = _role(p)
+                roles[role] = roles.get(role, 0.0) + p.memory_info().rss / MB
+        self.samples.append((now, sum(roles.values())))
+        for role, mb in roles.items():
+            self.by_role.setdefault(role, []).append((now, mb))
+
     def _run(self) -> None:
         while True:
-            self.samples.append((self.clock.now(), total_rss_mb(self.pid)))
+            self._sample()
             if self._stop.wait(self.every_s):
                 return
 
     def to_json(self, warmup_s: float) -> dict:
-        after = [(t, m) for t, m in self.samples if t >= warmup_s]
-        slope = slope_mb_per_min(after)
-        return {
-            "start_mb": round(self.samples[0][1], 1) if self.samples else None,
-            "end_mb": round(self.samples[-1][1], 1) if self.samples else None,
-            "max_mb": round(max(m for _, m in self.samples), 1) if self.samples else None,
-            "slope_after_s": warmup_s,
-            "slope_mb_per_min": None if slope is None else round(slope, 3),
-            "samples": [[round(t, 1), round(m, 1)] for t, m in self.samples],
-        }
+        out = _series_json(self.samples, warmup_s)
+        out["per_process"] = [
+            {"role": role, **_series_json(samples, warmup_s, keep_samples=False)}
+            for role, samples in sorted(self.by_role.items(), key=lambda kv: -kv[1][-1][1])
+        ]
+        return out
+
+
+def _series_json(
+    samples: list[tuple[float, float]], warmup_s: float, keep_samples: bool = True
+) -> dict:
+    """Start, end, max and the slope after warm-up of one RSS series; and the slope over the
+    later half of that window, which tells growth that is settling (an allocator's caches
+    filling) from growth that goes on (a leak): the first is steeper early than late."""
+    after = [(t, m) for t, m in samples if t >= warmup_s]
+    late = [(t, m) for t, m in after if t >= (after[0][0] + after[-1][0]) / 2] if after else []
+    slope, late_slope = slope_mb_per_min(after), slope_mb_per_min(late)
+    out = {
+        "start_mb": round(samples[0][1], 1) if samples else None,
+        "end_mb": round(samples[-1][1], 1) if samples else None,
+        "max_mb": round(max(m for _, m in samples), 1) if samples else None,
+        "slope_after_s": warmup_s,
+        "slope_mb_per_min": None if slope is None else round(slope, 3),
+        "late_slope_mb_per_min": None if late_slope is None else round(late_slope, 3),
+    }
+    if keep_samples:
+        out["samples"] = [[round(t, 1), round(m, 1)] for t, m in samples]
+    return out
 
 
 def comparison(ours: list[ProcessMemory], reference: list[ProcessMemory]) -> dict:
