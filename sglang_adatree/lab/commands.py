@@ -11,9 +11,8 @@
 scenario's bundled draft (built once, cached). ``--profile-from-db URL`` charges the step times a
 deployment recorded in its telemetry database instead of the scenario's profile; ``--profile``
 charges another named profile's, or a profile file's (``adatree profile --profile-out`` writes
-one). The policies
-are the serving loop's own code, configured like a server (``ADATREE_*`` environment and config
-file) except the candidate shapes, which are the scenario's.
+one). The policies are the serving loop's own code, configured like a server (``ADATREE_*``
+environment and config file) except the candidate shapes, which are the scenario's.
 """
 
 from __future__ import annotations

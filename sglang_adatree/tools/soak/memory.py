@@ -51,14 +51,6 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def total_rss_mb(pid: int) -> float:
-    total = 0
-    for p in tree(pid):
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total / MB
-
-
 def per_process(pid: int) -> list[ProcessMemory]:
     """RSS and USS of every process of the tree (reads each one's smaps: call it rarely)."""
     out = []
