@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,26 +183,26 @@ def test_rss_late_slope_tells_settling_growth_from_a_leak():
 
 
 def test_rss_sampler_follows_each_process_of_the_tree():
-    """A real process tree: this process and a child that allocates and holds 64 MB."""
+    """A real process tree: this process and a child that allocates 64 MB between the two
+    samples (it waits for a line before allocating, and answers once the memory is written)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys,time; b = bytearray(64 << 20); sys.stdin.read()"],
-        stdin=subprocess.PIPE,
-    )
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); b = bytearray(64 << 20); "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         clock = SimpleNamespace(t=0.0)
         clock.now = lambda: clock.t
         sampler = memory.RssSampler(os.getpid(), clock, every_s=5.0)
         sampler._sample()
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:  # the child's 64 MB are resident
-            if psutil.Process(child.pid).memory_info().rss > 60 * memory.MB:
-                break
-            time.sleep(0.1)
+        child.stdin.write("allocate\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "held"
         clock.t = 5.0
         sampler._sample()
         child_role = memory._role(psutil.Process(child.pid))
     finally:
-        child.communicate(b"", timeout=30)
+        child.communicate("", timeout=30)
     out = sampler.to_json(warmup_s=0.0)
     assert [t for t, _ in out["samples"]] == [0.0, 5.0]
     roles = {p["role"]: p for p in out["per_process"]}

@@ -135,13 +135,13 @@ def load_profile(name: str, shapes: Sequence[TreeShape]) -> StepTimeProfile:
         path = Path(name).expanduser()
         if not path.is_file():
             raise SourceError(f"profile file {name}: not found")
+    else:
+        path = DATA_DIR / f"{name}.json"  # a committed profile
+    if path.is_file():
         try:
             return _covering(TableProfile.load(path), shapes)
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise SourceError(f"profile file {name}: not a step-time profile ({exc!r})") from exc
-    committed = DATA_DIR / f"{name}.json"
-    if committed.is_file():
-        return _covering(TableProfile.load(committed), shapes)
     if name in GPUS:
         return _covering(analytic_gpu_profile(name, tuple(shapes)), shapes)
     known = sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(GPUS))

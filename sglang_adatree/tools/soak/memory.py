@@ -136,7 +136,8 @@ def _series_json(
     later half of that window, which tells growth that is settling (an allocator's caches
     filling) from growth that goes on (a leak): the first is steeper early than late."""
     after = [(t, m) for t, m in samples if t >= warmup_s]
-    late = [(t, m) for t, m in after if t >= (after[0][0] + after[-1][0]) / 2] if after else []
+    middle = (after[0][0] + after[-1][0]) / 2 if after else 0.0
+    late = [(t, m) for t, m in after if t >= middle]
     slope, late_slope = slope_mb_per_min(after), slope_mb_per_min(late)
     out = {
         "start_mb": round(samples[0][1], 1) if samples else None,
