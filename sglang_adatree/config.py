@@ -156,7 +156,8 @@ SETTINGS: tuple[Setting, ...] = (
         "warmup_steps",
         32,
         "[0, 100000]",
-        "decode steps that cycle through the candidates before the model decides",
+        "requests' decode steps (a batch of B counts B; at least one round of the candidates) "
+        "that cycle through the candidates before the model decides",
         _int,
         lambda v: 0 <= v <= 100_000,
     ),

@@ -112,11 +112,40 @@ def test_no_flapping_with_hysteresis():
 
 def test_warmup_cycles_through_the_candidates():
     policy = make_policy(FLAT, warmup_steps=15)
-    decisions = [policy.decide(batch(4)) for _ in range(16)]
+    decisions = [policy.decide(batch(1)) for _ in range(16)]
     n = len(DEFAULT_CANDIDATES)
     assert [d.shape for d in decisions[:15]] == [DEFAULT_CANDIDATES[i % n] for i in range(15)]
     assert {d.source for d in decisions[:15]} == {"warmup"}
     assert decisions[15].source == "fallback"
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "batch_sizes", "warm"),
+    [
+        (32, [16] * 40, 12),  # one round: 192 requests' steps are past 32 after two
+        (32, [1] * 40, 32),  # batch size 1: as many steps as requests' steps
+        (32, [1] * 14 + [8] * 26, 17),  # 14 steps of 1 and three of 8 reach 38
+        (5, [16] * 20, 5),  # fewer steps than a round: those steps, whatever the batch
+        (0, [1] * 5, 0),
+    ],
+)
+def test_warmup_counts_the_requests_each_step_measures(warmup_steps, batch_sizes, warm):
+    policy = make_policy(FLAT, warmup_steps=warmup_steps)
+    sources = [policy.decide(batch(b)).source for b in batch_sizes]
+    assert sources[:warm] == ["warmup"] * warm
+    assert "warmup" not in sources[warm:]
+
+
+def test_exploration_starts_after_a_warmup_of_any_length():
+    # The exploration schedule is phased from the warm-up's end, wherever the batch sizes put it.
+    def explored(b: int) -> list[int]:
+        policy = make_policy(FLAT, warmup_steps=32, explore_fraction=0.1, explore_seed=3)
+        sources = [policy.decide(batch(b)).source for _ in range(32 + 60)]
+        end = sources.index("fallback")
+        return [i - end for i, s in enumerate(sources) if s == "explore" and i - end < 60]
+
+    assert explored(16) == explored(1)
+    assert len(explored(1)) == 6
 
 
 def run(policy: Policy, steps: int, rng: np.random.Generator) -> list[Decision]:

@@ -6,8 +6,13 @@ step time``. Each step, in order of precedence:
 1. pin: an operator's pinned shape for this batch size wins outright (``DecisionSource.PIN``).
    Pins are checked in the order given (the store lists them newest first); the first that
    covers the batch size wins.
-2. warm-up: the first ``warmup_steps`` decisions cycle through the candidates in shape order so
-   every shape gets measured (``WARMUP``).
+2. warm-up: the first decisions cycle through the candidates in shape order so every shape
+   gets measured (``WARMUP``), for ``warmup_steps`` requests' decode steps (a step of a batch of
+   B counts B) and at least one round of the candidates (or ``warmup_steps`` steps, the fewer).
+   A step of a large batch measures a shape's acceptance on every request at once, and running a
+   slow shape costs the whole batch: counted in steps, a warm-up long enough at batch size 1
+   would run the largest trees through batches of 16-64 for as many steps, where one round
+   already measures each shape on hundreds of requests.
 3. exploration: on a deterministic ``explore_fraction`` of steps (a phase drawn from
    ``explore_seed``, then evenly spaced by the step counter) another shape runs
    (``EXPLORE``): on every other exploring step the runner-up, the shape the decision turns
@@ -140,6 +145,8 @@ class Policy:
         self._margin = np.array(
             [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
         )
+        self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
+        self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
         self._explore_phase = random.Random(config.explore_seed).random()
         self._explorations = 0
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
@@ -169,8 +176,7 @@ class Policy:
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
-        warmup = self.config.warmup_steps
-        if step < warmup:
+        if self._warming(step, features.batch_size):
             return self._decision(
                 self.candidates[step % len(self.candidates)], DecisionSource.WARMUP, times, emitted
             )
@@ -180,7 +186,7 @@ class Policy:
         current = self._index.get(self.current) if self.current is not None else None
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
-        if self._explores(step - warmup):
+        if self._explores(step - self._warmup_end):
             explored = self._explored(emitted / times, best)
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
@@ -217,6 +223,19 @@ class Policy:
         if factor == 1.0:
             return emitted
         return np.clip(1.0 + factor * (emitted - 1.0), 1.0, self._max_emitted)
+
+    def _warming(self, step: int, batch_size: int) -> bool:
+        """Whether ``step`` is a warm-up step: the warm-up lasts ``warmup_steps`` requests'
+        decode steps (a step of a batch of B counts B), and at least one round of the candidates
+        or ``warmup_steps`` steps, the fewer."""
+        if self._warmup_end >= 0:
+            return False
+        warmup = self.config.warmup_steps
+        if step < min(warmup, len(self.candidates)) or self._warmup_request_steps < warmup:
+            self._warmup_request_steps += batch_size
+            return True
+        self._warmup_end = step
+        return False
 
     def _explores(self, k: int) -> bool:
         """True on about ``explore_fraction`` of steps, evenly spaced after the seeded phase."""
