@@ -136,6 +136,17 @@ def test_warmup_counts_the_requests_each_step_measures(warmup_steps, batch_sizes
     assert "warmup" not in sources[warm:]
 
 
+def test_warmup_runs_after_pins_are_cleared():
+    # A server pinned from its start has measured one shape: the warm-up is still owed.
+    policy = make_policy(FLAT, warmup_steps=32)
+    policy.set_pins([Pin(TreeShape(3, 1, 4))])
+    assert {policy.decide(batch(16)).source for _ in range(40)} == {"pin"}
+    policy.set_pins([])
+    decisions = [policy.decide(batch(16)) for _ in range(13)]
+    assert [d.shape for d in decisions[:12]] == list(DEFAULT_CANDIDATES)
+    assert {d.source for d in decisions[:12]} == {"warmup"} and decisions[12].source != "warmup"
+
+
 def test_exploration_starts_after_a_warmup_of_any_length():
     # The exploration schedule is phased from the warm-up's end, wherever the batch sizes put it.
     def explored(b: int) -> list[int]:

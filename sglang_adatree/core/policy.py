@@ -145,6 +145,7 @@ class Policy:
         self._margin = np.array(
             [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
         )
+        self._warmup_steps = 0  # steps the warm-up has run (pinned steps are not among them)
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
         self._explore_phase = random.Random(config.explore_seed).random()
@@ -176,10 +177,9 @@ class Policy:
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
-        if self._warming(step, features.batch_size):
-            return self._decision(
-                self.candidates[step % len(self.candidates)], DecisionSource.WARMUP, times, emitted
-            )
+        warming = self._warming(step, features.batch_size)
+        if warming is not None:
+            return self._decision(warming, DecisionSource.WARMUP, times, emitted)
         # Goodput up to the batch size, which is common to all candidates.
         score = emitted * self._margin / times  # [candidates]
         best = int(np.argmax(score))
@@ -224,18 +224,19 @@ class Policy:
             return emitted
         return np.clip(1.0 + factor * (emitted - 1.0), 1.0, self._max_emitted)
 
-    def _warming(self, step: int, batch_size: int) -> bool:
-        """Whether ``step`` is a warm-up step: the warm-up lasts ``warmup_steps`` requests'
-        decode steps (a step of a batch of B counts B), and at least one round of the candidates
-        or ``warmup_steps`` steps, the fewer."""
+    def _warming(self, step: int, batch_size: int) -> TreeShape | None:
+        """The warm-up's shape for ``step``, None once the warm-up is over: it lasts
+        ``warmup_steps`` requests' decode steps (a step of a batch of B counts B), and at least
+        one round of the candidates or ``warmup_steps`` steps, the fewer."""
         if self._warmup_end >= 0:
-            return False
-        warmup = self.config.warmup_steps
-        if step < min(warmup, len(self.candidates)) or self._warmup_request_steps < warmup:
+            return None
+        warmup, done = self.config.warmup_steps, self._warmup_steps
+        if done < min(warmup, len(self.candidates)) or self._warmup_request_steps < warmup:
+            self._warmup_steps += 1
             self._warmup_request_steps += batch_size
-            return True
+            return self.candidates[done % len(self.candidates)]
         self._warmup_end = step
-        return False
+        return None
 
     def _explores(self, k: int) -> bool:
         """True on about ``explore_fraction`` of steps, evenly spaced after the seeded phase."""
