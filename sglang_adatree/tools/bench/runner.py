@@ -31,11 +31,11 @@ from sglang_adatree.tools.bench.servers import Server, ServerError, free_port, r
 from sglang_adatree.tools.bench.steps import StepPoint, summarize_steps, wait_for_steps
 from sglang_adatree.tools.bench.workloads import WARMUP_PROMPTS, Workload
 
-# An adatree-served server is warm once it has cycled through the candidates (``warmup_steps``
-# decode steps) and refitted its step-time model on its own measurements (first once every
-# candidate was measured, then at doubling intervals up to every REFIT_EVERY_ROWS: waiting one
-# full interval covers the early refits and the corrections after them), with a margin; or
-# after MAX_WARMUP_BATCHES warm-up batches.
+# An adatree-served server is warm once it has cycled through the candidates (at most
+# ``warmup_steps`` decode steps) and refitted its step-time model on its own measurements (first
+# once every candidate was measured, then at doubling intervals up to every REFIT_EVERY_ROWS:
+# waiting one full interval covers the early refits and the corrections after them), with a
+# margin; or after MAX_WARMUP_BATCHES warm-up batches.
 WARMUP_MARGIN_STEPS = 32
 MAX_WARMUP_BATCHES = 12
 
