@@ -202,6 +202,22 @@ def test_greedy_follows_arbitrary_links_like_the_kernel():
         assert result.accept_token_num.tolist() == expected[2].tolist()
 
 
+def test_greedy_one_node_tree_emits_the_target_token():
+    # A step without speculation verifies a one-node tree per request; SGLang builds its
+    # retrieve_index as arange(batch), other callers may number the roots otherwise.
+    gen = torch.Generator().manual_seed(3)
+    for retrieve_index in (torch.arange(4).view(4, 1), torch.tensor([[2], [0], [3], [1]])):
+        candidates = torch.randint(0, 50, (4, 1), generator=gen)
+        target = torch.randint(0, 50, (4, 1), generator=gen)
+        none = torch.full((4, 1), -1)
+        args = (candidates, retrieve_index, none, none, target, 0)
+        result = greedy(*args)
+        expected = reference_greedy(*args)
+        assert result.predicts.tolist() == expected[0].tolist()
+        assert result.accept_index.tolist() == expected[1].tolist()
+        assert result.accept_token_num.tolist() == [0, 0, 0, 0] == expected[2].tolist()
+
+
 @pytest.mark.slow
 def test_greedy_matches_sglang_triton_kernel(tmp_path):
     gen = torch.Generator().manual_seed(13)

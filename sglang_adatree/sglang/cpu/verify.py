@@ -75,6 +75,14 @@ def verify_tree_greedy(
     assert target_predict.shape == (batch, n) and target_predict.dtype == torch.int64
     if batch == 0:
         return VerifyResult(predicts, accept_index, accept_token_num)
+    if n == 1:
+        # A one-node tree (a step without speculation): the root is the whole path and its
+        # predict the target's token, with none of the walk's per-level work.
+        root = retrieve_index[:, 0]  # [batch] flat index of each root
+        predicts[root] = target_predict.reshape(-1)[root].to(predicts.dtype)
+        accept_index[:, 0] = root.to(accept_index.dtype)
+        accept_token_num.zero_()
+        return VerifyResult(predicts, accept_index, accept_token_num)
     topo = tree_topology(retrieve_next_token, retrieve_next_sibling)
     target_flat = target_predict.reshape(-1)  # [batch * N], by flat node index
     parent_flat = retrieve_index.gather(1, topo.parent.clamp(min=0))  # [batch, N]
