@@ -24,8 +24,10 @@ def test_the_order_reverses_every_prompt():
     assert len(set(positions)) == 1
 
 
-def sample(prompt, name, tpot, text="same", error=None, tokens=16, verify=0):
-    return Sample(prompt, name, 100.0 + prompt, tpot, tokens, verify, text, error)
+def sample(prompt, name, tpot, text="same", error=None, tokens=16, verify=0, latency=None):
+    if latency is None and tpot is not None:
+        latency = 100.0 + prompt + tpot * (tokens - 1)
+    return Sample(prompt, name, 100.0 + prompt, tpot, tokens, verify, text, error, latency)
 
 
 def test_ratios_are_paired_prompt_by_prompt():
@@ -58,7 +60,32 @@ def test_differing_answers_and_failed_requests_are_counted_not_paired():
     assert b.prompts == 1 and b.tpot_ratio == pytest.approx(0.8)
     lines = table_lines(summarize([("ar", "ar"), ("b", "b")], samples))
     assert "TPOT / ar" in lines[0]
-    assert lines[3].split() == ["b", "65.0", "101", "0.800x", "0.80-0.80", "1/1", "-", "0/1", "1"]
+    assert "latency / ar" in lines[0]
+    assert lines[3].split() == [
+        "b", "65.0", "101", "0.800x", "0.80-0.80", "1/1", "0.812x", "-", "0/1", "1"
+    ]  # fmt: skip
+
+
+def test_latency_per_token_is_paired_and_blind_to_where_the_first_token_lands():
+    # The reference streams its first token a step (100 ms) late and skips the finishing
+    # step, as SGLang's overlap scheduler does: same 32 steps of 100 ms and the same prefill
+    # as "b", yet its TPOT reads 30 / 31 of b's. Its whole latency is the same.
+    steps, step_ms, prefill_ms = 32, 100.0, 250.0
+    samples = []
+    for p in range(3):
+        ar_tpot = (steps - 2) * step_ms / (steps - 1)
+        samples += [
+            Sample(p, "ar", prefill_ms + step_ms, ar_tpot, steps, 0, "same", None,
+                   prefill_ms + (steps - 1) * step_ms),
+            Sample(p, "b", prefill_ms, step_ms, steps, 31, "same", None,
+                   prefill_ms + (steps - 1) * step_ms),
+        ]  # fmt: skip
+    _, b = summarize([("ar", "ar"), ("b", "b")], samples)
+    assert b.tpot_ratio == pytest.approx(31 / 30)
+    assert b.latency_ratio == pytest.approx(1.0)
+    # A failed request has no latency to pair.
+    failed = Sample(3, "b", None, None, 0, 0, "", "HTTP 500", 80.0)
+    assert failed.latency_per_token_ms is None
 
 
 def test_a_configuration_without_usable_requests_shows_dashes():
