@@ -68,7 +68,7 @@ def test_differing_answers_and_failed_requests_are_counted_not_paired():
 
 def test_latency_per_token_is_paired_and_blind_to_where_the_first_token_lands():
     # The reference streams its first token a step (100 ms) late and skips the finishing
-    # step, as SGLang's overlap scheduler does: same 32 steps of 100 ms and the same prefill
+    # step, as SGLang's overlap scheduler does: the same 31 steps of 100 ms and prefill
     # as "b", yet its TPOT reads 30 / 31 of b's. Its whole latency is the same.
     steps, step_ms, prefill_ms = 32, 100.0, 250.0
     samples = []
