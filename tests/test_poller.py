@@ -4,9 +4,13 @@ step boundary, refits follow the schedule, and an unreadable store is logged onc
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
+import pytest
 from synthetic import SyntheticSurface, sample_steps
 from test_controller import config, outcome
 
@@ -16,6 +20,7 @@ from sglang_adatree.core.policy import DecisionSource, Pin
 from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.core.xgb_cost import fit_xgboost
 from sglang_adatree.telemetry import control
+from sglang_adatree.telemetry import poller as poller_module
 from sglang_adatree.telemetry.poller import ControlPoller
 from sglang_adatree.telemetry.store import get_engine, upgrade
 
@@ -131,3 +136,57 @@ def test_an_unreadable_store_is_logged_once_and_its_return_once(tmp_path, caplog
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot read pins" in m for m in messages) == 1
     assert sum("readable again" in m for m in messages) == 1
+
+
+def test_the_freed_heap_is_released_once_the_decode_loop_has_swapped_a_model_in(
+    tmp_path, monkeypatch
+):
+    # A replaced model is freed on the decode loop, at the step boundary that applies its
+    # successor: releasing the heap earlier would find nothing freed yet.
+    releases = []
+    monkeypatch.setattr(poller_module, "release_freed_heap", lambda: releases.append(1) or True)
+    url = store(tmp_path)
+    controller = StepController(config(skip_idle_draft_extend=False, warmup_steps=30))
+    poller = ControlPoller(controller, url, poll_s=60.0, start=False)
+    for i in range(30):
+        ticket = controller.begin(BatchView(("a",), (50 + i,)))
+        controller.finish(ticket, outcome(ticket, 40.0 + 10.0 * ticket.decision.shape.steps))
+    update = poller.poll()
+    assert update is not None and update.cost_model is not None
+    assert poller.poll() is None and releases == []  # not applied yet
+    controller.begin(BatchView(("a",), (80,)))
+    assert not controller.updates_pending
+    poller.poll()
+    assert releases == [1]
+    poller.poll()
+    assert releases == [1]  # once per model
+
+
+def test_release_freed_heap_returns_free_pages_to_the_system():
+    # 128 MB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap), freed
+    # under a block that stays: the heap cannot shrink from its top, so the pages stay resident
+    # until released.
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from sglang_adatree.telemetry.poller import release_freed_heap
+
+        def rss_mb():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+
+        blocks = [np.ones(8192) for _ in range(2000)]
+        kept = np.ones(8192)
+        del blocks
+        freed = rss_mb()
+        released = release_freed_heap()
+        print(released, freed - rss_mb())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if out[0] == "False":
+        pytest.skip("this C library has no malloc_trim")
+    assert float(out[1]) > 64.0

@@ -369,6 +369,11 @@ class StepController:
         return self.policy.pins
 
     @property
+    def updates_pending(self) -> bool:
+        """Whether a handed-over update still waits for the next step boundary."""
+        return bool(self._updates)
+
+    @property
     def policy_version(self) -> int | None:
         return self.policy.policy_version
 

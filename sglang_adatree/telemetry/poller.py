@@ -12,10 +12,16 @@ controller one ``ControlUpdate`` when something changed:
 
 A database that cannot be read leaves serving as it is; the poller logs once when reading fails
 and once when it works again.
+
+A replaced cost model (an XGBoost booster and its table: tens of MB) is freed on the decode loop,
+but glibc keeps the freed pages in its heap, so every new model would leave the server's RSS a
+step higher for good. Once the controller has applied a new model, the poller hands the free
+pages back (``malloc_trim``), off the decode loop.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -27,6 +33,16 @@ from sglang_adatree.telemetry.control import read_control_state
 from sglang_adatree.telemetry.store import display_url
 
 logger = logging.getLogger(__name__)
+
+
+def release_freed_heap() -> bool:
+    """Return the C heap's free pages to the system; False where the C library cannot
+    (``malloc_trim`` is glibc's)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 class ControlPoller:
@@ -42,6 +58,7 @@ class ControlPoller:
         self._failed_version: int | None = None
         self._pins: tuple[Pin, ...] = ()
         self._down_since: float | None = None
+        self._model_handed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start:
@@ -50,11 +67,16 @@ class ControlPoller:
 
     def poll(self) -> ControlUpdate | None:
         """Read the store once and hand the controller what changed (also returned)."""
+        if self._model_handed and not self.controller.updates_pending:
+            # The decode loop has swapped the model in and dropped the one it replaced.
+            self._model_handed = False
+            release_freed_heap()
         update = self._read()
         if update is None and self._known_version is None:
             update = self.controller.refit()
         if update is not None:
             self.controller.apply(update)
+            self._model_handed = self._model_handed or update.cost_model is not None
         return update
 
     def close(self) -> None:
