@@ -92,6 +92,11 @@ def test_pins_are_obeyed_and_retrains_run(soak):
     assert result["pins_obeyed"] == result["pins_applied"], result["pins"]
     jobs = result["retrain_jobs"]
     assert jobs and all(j["outcome"] in ("succeeded", "refused") for j in jobs), jobs
+    # Every other job, the first among them, is forced: its version goes live.
+    assert [j["forced"] for j in jobs] == [i % 2 == 0 for i in range(len(jobs))], jobs
+    for j in jobs:
+        if j["forced"] and j["outcome"] == "succeeded":
+            assert j["active_version"] == j["policy_version"], j
 
 
 def test_bad_requests_are_refused_clearly(soak):

@@ -84,6 +84,7 @@ class RetrainAction:
     rows_used: int | None = None
     seconds: float | None = None
     active_version: int | None = None  # the active policy version once the job ended
+    forced: bool = False  # activate the new version even if it is not better than the served one
 
 
 @dataclass
@@ -173,11 +174,12 @@ class Operator:
         with contextlib.suppress(requests.RequestException):
             requests.post(f"{self.server_url}/generate", json=body, timeout=TIMEOUT_S)
 
-    def retrain(self, min_rows: int) -> RetrainAction:
-        """Ask for a retrain job and follow it to its end."""
+    def retrain(self, min_rows: int, force: bool = False) -> RetrainAction:
+        """Ask for a retrain job (``force``: its version activated even if not better) and
+        follow it to its end."""
         now = self.client.clock.now()
-        r = self.client.post("/api/retrain", {"min_rows": min_rows})
-        action = RetrainAction(now, r.status_code)
+        r = self.client.post("/api/retrain", {"min_rows": min_rows, "force": force})
+        action = RetrainAction(now, r.status_code, forced=force)
         self.log.retrains.append(action)
         if r.status_code != 202:
             action.message = r.text[:200]

@@ -235,11 +235,17 @@ def _soak(
         "pins",
         [(t, operator.clear if i % 3 == 2 else operator.pin_next) for i, t in enumerate(pin_times)],
     )
+    # Every other retrain is forced: its version goes live whatever its validation says, so
+    # every soak swaps the server's cost model under load (the server's own judgement may keep
+    # the analytic one for a whole soak).
     every = schedule.retrain_every_s
-    activities.every(
+    retrains = [after_faults(t, schedule) for t in times(every / 2, every, end - 30.0)]
+    activities.at(
         "retrain",
-        [after_faults(t, schedule) for t in times(every / 2, every, end - 30.0)],
-        lambda: operator.retrain(options.min_retrain_rows),
+        [
+            (t, lambda force=i % 2 == 0: operator.retrain(options.min_retrain_rows, force))
+            for i, t in enumerate(retrains)
+        ],
     )
     every = schedule.bad_requests_every_s
     activities.every("bad-requests", times(every / 4, every, end), lambda: bad.round(server.url))
