@@ -47,6 +47,24 @@ def wait(predicate, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def activate_trained_version(url: str, controller: StepController) -> int:
+    """A small XGBoost version over the controller's candidates, stored and activated."""
+    surface = SyntheticSurface()
+    rng = np.random.default_rng(0)
+    x = feature_rows(*sample_steps(300, controller.candidate_shapes, rng, max_batch_size=8))
+    model = fit_xgboost(x, surface.step_ms(x, rng), num_rounds=20)
+    with get_engine(url).begin() as conn:
+        return control.add_policy_version(
+            conn,
+            artifact=model.to_bytes(),
+            feature_names=model.info.feature_names,
+            training_rows=model.info.training_rows,
+            validation_metrics={},
+            activate=True,
+            actor="pytest",
+        )
+
+
 def test_a_pin_from_the_store_applies_at_the_next_step(tmp_path):
     url = store(tmp_path)
     controller = StepController(config(skip_idle_draft_extend=False))
@@ -90,20 +108,7 @@ def test_refits_come_through_the_poller_until_a_version_is_active(tmp_path):
     update = poller.poll()
     assert update is not None and update.model_source == "refit"
     # A trained version, activated by an operator, replaces the refits.
-    surface = SyntheticSurface()
-    rng = np.random.default_rng(0)
-    x = feature_rows(*sample_steps(300, controller.candidate_shapes, rng, max_batch_size=8))
-    model = fit_xgboost(x, surface.step_ms(x, rng), num_rounds=20)
-    with get_engine(url).begin() as conn:
-        version = control.add_policy_version(
-            conn,
-            artifact=model.to_bytes(),
-            feature_names=model.info.feature_names,
-            training_rows=model.info.training_rows,
-            validation_metrics={},
-            activate=True,
-            actor="pytest",
-        )
+    version = activate_trained_version(url, controller)
     update = poller.poll()
     assert update is not None and update.model_source == "policy"
     assert update.policy_version == version and update.cost_model.table is not None
@@ -138,28 +143,40 @@ def test_an_unreadable_store_is_logged_once_and_its_return_once(tmp_path, caplog
     assert sum("readable again" in m for m in messages) == 1
 
 
-def test_the_freed_heap_is_released_once_the_decode_loop_has_swapped_a_model_in(
+def test_the_freed_heap_is_released_once_a_version_has_been_swapped_in_or_out(
     tmp_path, monkeypatch
 ):
     # A replaced model is freed on the decode loop, at the step boundary that applies its
-    # successor: releasing the heap earlier would find nothing freed yet.
+    # successor: releasing the heap earlier would find nothing freed yet. Refits, frequent and
+    # small, release nothing.
     releases = []
     monkeypatch.setattr(poller_module, "release_freed_heap", lambda: releases.append(1) or True)
     url = store(tmp_path)
     controller = StepController(config(skip_idle_draft_extend=False, warmup_steps=30))
     poller = ControlPoller(controller, url, poll_s=60.0, start=False)
-    for i in range(30):
-        ticket = controller.begin(BatchView(("a",), (50 + i,)))
+    context = iter(range(50, 1000))
+    for _ in range(30):
+        ticket = controller.begin(BatchView(("a",), (next(context),)))
         controller.finish(ticket, outcome(ticket, 40.0 + 10.0 * ticket.decision.shape.steps))
-    update = poller.poll()
-    assert update is not None and update.cost_model is not None
+    assert poller.poll().model_source == "refit"
+    controller.begin(BatchView(("a",), (next(context),)))
+    poller.poll()
+    assert releases == []
+    version = activate_trained_version(url, controller)
+    assert poller.poll().policy_version == version
     assert poller.poll() is None and releases == []  # not applied yet
-    controller.begin(BatchView(("a",), (80,)))
+    controller.begin(BatchView(("a",), (next(context),)))
     assert not controller.updates_pending
     poller.poll()
     assert releases == [1]
     poller.poll()
-    assert releases == [1]  # once per model
+    assert releases == [1]  # once per version
+    with get_engine(url).begin() as conn:
+        conn.exec_driver_sql("UPDATE policies SET active = 0")
+    assert poller.poll().model_source == "refit"  # the rollback
+    controller.begin(BatchView(("a",), (next(context),)))
+    poller.poll()
+    assert releases == [1, 1]
 
 
 def test_release_freed_heap_returns_free_pages_to_the_system():
