@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sglang_adatree.tools.bench.commands import exit_on_signal
     from sglang_adatree.tools.bench.servers import ServerError
     from sglang_adatree.tools.soak.runner import SoakOptions, run_soak
 
@@ -76,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
         rss_slope_limit=args.rss_slope_limit,
         browser=not args.no_browser,
     )
+    # SIGTERM (and SIGINT, even when a background shell ignores it) unwind through the soak's
+    # exit stack, which stops both servers, the browser and the soak's own PostgreSQL cluster.
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = run_soak(options, log=lambda line: print(line, file=sys.stderr, flush=True))
     except (ServerError, RuntimeError, ValueError) as exc:
