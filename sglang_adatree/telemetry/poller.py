@@ -13,12 +13,13 @@ controller one ``ControlUpdate`` when something changed:
 A database that cannot be read leaves serving as it is; the poller logs once when reading fails
 and once when it works again.
 
-A replaced policy version (an XGBoost booster and its table: tens of MB) is freed on the decode
-loop, but glibc keeps the freed pages in its heap: measured, each of the first activations left
-the RSS 13-14 MB higher for good. Once the controller has applied the version that replaces it
-(or the rollback), the poller hands the free pages back (``malloc_trim``). That walks the heap's
-free chunks under each arena's lock (10-30 ms on a fragmented heap of a few GB), so it runs only
-when a version comes or goes, not after the frequent analytic refits, whose models are small.
+A replaced policy version (an XGBoost booster and its table) is freed on the decode loop, but
+glibc keeps the freed pages in its heap, so each activation would leave the server's RSS higher
+for good by about the size of the model it replaced. Once the controller has applied the version
+that replaces it (or the rollback), the poller hands the free pages back (``malloc_trim``). That
+walks the heap's free chunks under each arena's lock, tens of milliseconds on a large fragmented
+heap during which the decode loop's allocations wait, so it runs only when a version comes or
+goes, not after the frequent analytic refits, whose models are small.
 """
 
 from __future__ import annotations
