@@ -18,11 +18,11 @@ import psutil
 import pytest
 from admin_helpers import TOKEN, log_in, seed_run
 from sglang_adatree.admin import create_app
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.telemetry import store
-from sglang_adatree.telemetry.models import Step
+from sglang_adatree.telemetry.models import PinRow, Step
 from sglang_adatree.tools.soak import bad_requests, memory, report
 from sglang_adatree.tools.soak.activities import FaultLog, after_faults, fault_events, times
 from sglang_adatree.tools.soak.faults import SqliteFaults
@@ -145,6 +145,41 @@ def test_a_pin_ignored_for_steps_or_broken_later_is_not_obeyed():
     out = report._pin_outcome(pin, broken, poll_s=1.0)
     assert not out["obeyed"] and out["steps_not_obeying"] == 1
     assert not report._pin_outcome(pin, [], poll_s=1.0)["obeyed"]
+
+
+def test_pin_windows_come_from_the_database_clock_not_the_soaks(private_db):
+    # The system clock stepped 42 s forward in a soak: pins posted at soak times 20 s apart were
+    # stamped 62 s apart. Each window must come from the stamps (a change ends a pin when its
+    # successor is created, a clear when it is cleared), whatever the soak's own times say.
+    run_id = seed_run(private_db, 1, seed=4, end_time=1000.0)
+    t0 = 2_000.0
+    made = [("3,1,4", t0, t0 + 62.0), ("2,2,4", t0 + 62.0, t0 + 82.0), ("3,2,6", t0 + 150.0, None)]
+    steps = [(t0 + 1.0 + i, "3,1,4", "pin") for i in range(60)]  # the first pin's 62 s
+    steps += [(t0 + 63.0 + i, "2,2,4", "pin") for i in range(18)]  # replaced at t0 + 62
+    steps += [(t0 + 90.0 + i, "0,1,1", "model") for i in range(50)]  # cleared: no pin
+    steps += [(t0 + 151.0 + i, "3,2,6", "pin") for i in range(10)]
+    pins = []
+    with store.get_engine(private_db).begin() as conn:
+        for i, (shape, created, cleared) in enumerate(made):
+            steps_, topk, ndt = (int(x) for x in shape.split(","))
+            pin_id = conn.execute(
+                insert(PinRow)
+                .values(steps=steps_, topk=topk, num_draft_tokens=ndt, reason="test")
+                .values(created_at=created, created_by="pytest", cleared_at=cleared)
+                .returning(PinRow.id)
+            ).scalar_one()
+            # Soak times as the monotonic clock saw them: 20 s apart, ends included.
+            pins.append(PinAction(shape, 20.0 * i, 201, pin_id, created, 0.5, 20.0 * i + 20.0))
+        template = conn.execute(select(Step).where(Step.run_id == run_id)).mappings().one()
+        for index, (t, shape, source) in enumerate(steps, start=1):
+            steps_, topk, ndt = (int(x) for x in shape.split(","))
+            row = {k: v for k, v in template.items() if k != "id"}
+            row.update(step_index=index, wall_time=t, steps=steps_, topk=topk)
+            row.update(num_draft_tokens=ndt, decision_source=source)
+            conn.execute(insert(Step).values(**row))
+    out = report.pin_outcomes(private_db, run_id, pins, poll_s=1.0)
+    assert out["pins_obeyed"] == 3, out["pins"]
+    assert [p["steps_under_pin"] for p in out["pins"]] == [60, 18, 10]
 
 
 def test_only_503s_inside_planned_outages_are_expected():

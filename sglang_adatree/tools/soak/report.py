@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from sglang_adatree.telemetry.models import Run, Step
+from sglang_adatree.telemetry.models import PinRow, Run, Step
 from sglang_adatree.telemetry.store import get_engine
 from sglang_adatree.tools.soak.activities import FaultLog
 from sglang_adatree.tools.soak.bad_requests import BadRequestTally
@@ -163,15 +163,25 @@ def telemetry_accounting(db_url: str, run_id: int, state: dict[str, Any]) -> dic
     }
 
 
-def pin_outcomes(
-    db_url: str, run_id: int, pins: list[PinAction], clock: SoakClock, poll_s: float
-) -> dict[str, Any]:
-    """Each applied pin's first obeying step and the steps decided otherwise under it."""
+def pin_outcomes(db_url: str, run_id: int, pins: list[PinAction], poll_s: float) -> dict[str, Any]:
+    """Each applied pin's first obeying step and the steps decided otherwise under it.
+
+    A pin's window is read in the database's own times, the clock its steps are stamped with:
+    from its creation to the creation of the pin that replaced it or its clearing, whichever
+    came first. The soak's clock is monotonic and the system's is not: mapped onto each other
+    once, a step of the system clock mid-soak would put a pin's end before its start."""
     applied = [p for p in pins if p.status == 201 and p.created_at is not None]
     out = []
     with get_engine(db_url).connect() as conn:
-        for pin in applied:
-            ended_wall = clock.wall(pin.ended_s) if pin.ended_s is not None else None
+        ids = [p.pin_id for p in applied if p.pin_id is not None]
+        cleared = dict(
+            conn.execute(select(PinRow.id, PinRow.cleared_at).where(PinRow.id.in_(ids))).all()
+        )
+        for i, pin in enumerate(applied):
+            ends = [cleared.get(pin.pin_id)]
+            if i + 1 < len(applied):
+                ends.append(applied[i + 1].created_at)
+            ended_wall = min((e for e in ends if e is not None), default=None)
             stmt = (
                 select(
                     Step.wall_time,

@@ -289,6 +289,6 @@ def _soak(
         observed,
         state=state,
         accounting=report.telemetry_accounting(db.url, run_id, state),
-        pins=report.pin_outcomes(db.url, run_id, operator.log.pins, clock, options.control_poll_s),
+        pins=report.pin_outcomes(db.url, run_id, operator.log.pins, options.control_poll_s),
         adatree_memory=memory.per_process(server.process.pid),
     )

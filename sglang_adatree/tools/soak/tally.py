@@ -16,17 +16,14 @@ ABORTED = "aborted_by_client"  # the soak's own disconnects mid-stream, on purpo
 
 
 class SoakClock:
-    """Seconds since the soak started, and the matching wall-clock (unix) time."""
+    """Seconds since the soak started (monotonic: the system clock may step mid-soak, so times
+    in the database are compared with each other, never with these)."""
 
     def __init__(self) -> None:
         self._mono = time.monotonic()
-        self._wall = time.time()
 
     def now(self) -> float:
         return time.monotonic() - self._mono
-
-    def wall(self, t: float) -> float:
-        return self._wall + t
 
 
 class RequestTally:
