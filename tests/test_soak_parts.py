@@ -168,8 +168,8 @@ def test_pin_windows_come_from_the_database_clock_not_the_soaks(private_db):
                 .values(created_at=created, created_by="pytest", cleared_at=cleared)
                 .returning(PinRow.id)
             ).scalar_one()
-            # Soak times as the monotonic clock saw them: 20 s apart, ends included.
-            pins.append(PinAction(shape, 20.0 * i, 201, pin_id, created, 0.5, 20.0 * i + 20.0))
+            # Soak times as the monotonic clock saw them: 20 s apart.
+            pins.append(PinAction(shape, 20.0 * i, 201, pin_id, created, 0.5))
         template = conn.execute(select(Step).where(Step.run_id == run_id)).mappings().one()
         for index, (t, shape, source) in enumerate(steps, start=1):
             steps_, topk, ndt = (int(x) for x in shape.split(","))

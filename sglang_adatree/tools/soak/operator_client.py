@@ -70,7 +70,6 @@ class PinAction:
     pin_id: int | None = None
     created_at: float | None = None  # the pin row's unix time (the dashboard's clock)
     visible_s: float | None = None  # seconds from the POST until /server_info listed it
-    ended_s: float | None = None  # soak time the operator changed or cleared it
 
 
 @dataclass
@@ -123,7 +122,6 @@ class Operator:
             action.pin_id, action.created_at = body["id"], body["created_at"]
             previous, self._active = self._active, action
             if previous is not None:
-                previous.ended_s = now
                 self._clear(previous)
             self._watch(action)
         return action
@@ -131,7 +129,6 @@ class Operator:
     def clear(self) -> None:
         """Clear the active pin (and any left from refused clears)."""
         if self._active is not None:
-            self._active.ended_s = self.client.clock.now()
             self._clear(self._active)
             self._active = None
         self.clear_all()
