@@ -246,6 +246,11 @@ def test_rss_sampler_follows_each_process_of_the_tree():
     assert total_end == pytest.approx(out["end_mb"], abs=0.2)
     grown = max(roles.values(), key=lambda p: p["end_mb"] - p["start_mb"])
     assert grown["end_mb"] - grown["start_mb"] > 50.0
+    # The child's bytearray is anonymous memory; the split adds up to the total.
+    anonymous, mapped = out["by_kind"]["anonymous"], out["by_kind"]["file_or_shared"]
+    assert anonymous["end_mb"] - anonymous["start_mb"] > 50.0
+    assert abs(mapped["end_mb"] - mapped["start_mb"]) < 16.0
+    assert anonymous["end_mb"] + mapped["end_mb"] == pytest.approx(out["end_mb"], abs=0.2)
 
 
 def test_memory_comparison_names_what_is_adatrees():

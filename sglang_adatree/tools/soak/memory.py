@@ -1,6 +1,11 @@
 """Memory of a server's process tree: RSS over the soak (its slope after warm-up) and, at the
 end, RSS and USS per process beside the reference server's.
 
+RSS is split by kind as it is sampled: anonymous pages (the heaps: Python's, the C library's,
+torch's tensors) and resident pages of mapped files or shared memory (``statm``'s shared
+count: weights or libraries read from a mapped file, which the kernel can drop and read again).
+A slope in the second is pages of a mapping touched for the first time, not memory held.
+
 RSS counts pages shared between processes (the torch and Python libraries every SGLang process
 maps) once per process, so the sum over a server's processes overstates what it holds; USS
 (pages only that process holds, from ``/proc/PID/smaps``) is what stopping it would free.
@@ -90,6 +95,7 @@ class RssSampler:
         self.every_s = every_s
         self.samples: list[tuple[float, float]] = []
         self.by_role: dict[str, list[tuple[float, float]]] = {}
+        self.by_kind: dict[str, list[tuple[float, float]]] = {"anonymous": [], "file_or_shared": []}
         self._roles: dict[int, str] = {}  # pid -> role: a process's title is read once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
@@ -104,13 +110,20 @@ class RssSampler:
     def _sample(self) -> None:
         now = self.clock.now()
         roles: dict[str, float] = {}
+        shared = 0.0
         for p in tree(self.pid):
             with contextlib.suppress(psutil.Error):
                 role = self._roles.get(p.pid)
                 if role is None:
                     role = self._roles[p.pid] = _role(p)
-                roles[role] = roles.get(role, 0.0) + p.memory_info().rss / MB
-        self.samples.append((now, sum(roles.values())))
+                info = p.memory_info()
+                roles[role] = roles.get(role, 0.0) + info.rss / MB
+                # ``shared`` is Linux's (resident file-backed and shared-memory pages).
+                shared += getattr(info, "shared", 0) / MB
+        total = sum(roles.values())
+        self.samples.append((now, total))
+        self.by_kind["anonymous"].append((now, total - shared))
+        self.by_kind["file_or_shared"].append((now, shared))
         for role, mb in roles.items():
             self.by_role.setdefault(role, []).append((now, mb))
 
@@ -126,6 +139,10 @@ class RssSampler:
             {"role": role, **_series_json(samples, warmup_s, keep_samples=False)}
             for role, samples in sorted(self.by_role.items(), key=lambda kv: -kv[1][-1][1])
         ]
+        out["by_kind"] = {
+            kind: _series_json(samples, warmup_s, keep_samples=False)
+            for kind, samples in self.by_kind.items()
+        }
         return out
 
 
