@@ -153,7 +153,7 @@ def test_the_freed_heap_is_released_once_a_version_has_been_swapped_in_or_out(
     monkeypatch.setattr(poller_module, "release_freed_heap", lambda: releases.append(1) or True)
     url = store(tmp_path)
     controller = StepController(config(skip_idle_draft_extend=False, warmup_steps=30))
-    poller = ControlPoller(controller, url, poll_s=60.0, start=False)
+    poller = ControlPoller(controller, url, poll_s=60.0, start=False, heap_release_s=0)
     context = iter(range(50, 1000))
     for _ in range(30):
         ticket = controller.begin(BatchView(("a",), (next(context),)))
@@ -175,6 +175,25 @@ def test_the_freed_heap_is_released_once_a_version_has_been_swapped_in_or_out(
         conn.exec_driver_sql("UPDATE policies SET active = 0")
     assert poller.poll().model_source == "refit"  # the rollback
     controller.begin(BatchView(("a",), (next(context),)))
+    poller.poll()
+    assert releases == [1, 1]
+
+
+def test_the_freed_heap_is_released_on_a_clock_as_well(tmp_path, monkeypatch):
+    # The decode loop's freed tensors leave the heap's high-water mark resident: a release every
+    # heap_release_s, counted from the last one, a version's included.
+    releases = []
+    monkeypatch.setattr(poller_module, "release_freed_heap", lambda: releases.append(1) or True)
+    url = store(tmp_path)
+    poller = ControlPoller(StepController(config()), url, poll_s=60.0, start=False,
+                           heap_release_s=0.5)  # fmt: skip
+    poller.poll()
+    assert releases == []
+    time.sleep(0.6)
+    poller.poll()
+    poller.poll()
+    assert releases == [1]
+    time.sleep(0.6)
     poller.poll()
     assert releases == [1, 1]
 

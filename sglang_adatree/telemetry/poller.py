@@ -13,13 +13,17 @@ controller one ``ControlUpdate`` when something changed:
 A database that cannot be read leaves serving as it is; the poller logs once when reading fails
 and once when it works again.
 
-A replaced policy version (an XGBoost booster and its table) is freed on the decode loop, but
-glibc keeps the freed pages in its heap, so each activation would leave the server's RSS higher
-for good by about the size of the model it replaced. Once the controller has applied the version
-that replaces it (or the rollback), the poller hands the free pages back (``malloc_trim``). That
-walks the heap's free chunks under each arena's lock, tens of milliseconds on a large fragmented
-heap during which the decode loop's allocations wait, so it runs only when a version comes or
-goes, not after the frequent analytic refits, whose models are small.
+glibc keeps freed pages in its heap: only a free stretch at the heap's top goes back to the
+system by itself. A replaced policy version (an XGBoost booster and its table) is freed on the
+decode loop, so each activation would leave the server's RSS higher for good by about the size
+of the model it replaced; and the decode loop's short-lived tensors, freed between longer-lived
+blocks, leave the heap's high-water mark resident, so the process's RSS creeps up for as long
+as it serves while the memory it uses does not. The poller hands the free pages back
+(``malloc_trim``, the whole process's heap, SGLang's part included) once the controller has
+applied a version that came or went, and every ``heap_release_s`` besides. A release walks the
+heap's free chunks under each arena's lock, tens of milliseconds on a large fragmented heap
+during which the decode loop's allocations wait, so it runs on that clock and at version
+changes, not after the frequent analytic refits.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from sglang_adatree.telemetry.store import display_url
 
 logger = logging.getLogger(__name__)
 
+# A release every few minutes bounds the creep to what a few minutes of serving fragment, for a
+# lock held tens of milliseconds each time (about 0.01% of the decode loop's time).
+HEAP_RELEASE_S = 180.0
+
 
 def release_freed_heap() -> bool:
     """Return the C heap's free pages to the system; False where the C library cannot
@@ -52,11 +60,19 @@ class ControlPoller:
     """Polls ``db_url`` for ``controller``; see the module docstring."""
 
     def __init__(
-        self, controller: StepController, db_url: str, poll_s: float, *, start: bool = True
+        self,
+        controller: StepController,
+        db_url: str,
+        poll_s: float,
+        *,
+        start: bool = True,
+        heap_release_s: float = HEAP_RELEASE_S,  # 0: only when a version comes or goes
     ) -> None:
         self.controller = controller
         self.db_url = db_url
         self.poll_s = poll_s
+        self.heap_release_s = heap_release_s
+        self._released_at = time.monotonic()
         self._known_version: int | None = None
         self._failed_version: int | None = None
         self._pins: tuple[Pin, ...] = ()
@@ -70,9 +86,14 @@ class ControlPoller:
 
     def poll(self) -> ControlUpdate | None:
         """Read the store once and hand the controller what changed (also returned)."""
+        now = time.monotonic()
         if self._model_handed and not self.controller.updates_pending:
             # The decode loop has swapped the model in and dropped the one it replaced.
             self._model_handed = False
+            self._released_at = now
+            release_freed_heap()
+        elif 0 < self.heap_release_s <= now - self._released_at:
+            self._released_at = now
             release_freed_heap()
         update = self._read()
         if update is None and self._known_version is None:
