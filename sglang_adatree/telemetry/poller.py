@@ -41,8 +41,8 @@ from sglang_adatree.telemetry.store import display_url
 
 logger = logging.getLogger(__name__)
 
-# A release every few minutes bounds the creep to what a few minutes of serving fragment, for a
-# lock held tens of milliseconds each time (about 0.01% of the decode loop's time).
+# A release every few minutes bounds the creep to what a few minutes of serving leave behind,
+# for arena locks held tens of milliseconds once in that time.
 HEAP_RELEASE_S = 180.0
 
 

@@ -3,8 +3,9 @@ end, RSS and USS per process beside the reference server's.
 
 RSS is split by kind as it is sampled: anonymous pages (the heaps: Python's, the C library's,
 torch's tensors) and resident pages of mapped files or shared memory (``statm``'s shared
-count: weights or libraries read from a mapped file, which the kernel can drop and read again).
-A slope in the second is pages of a mapping touched for the first time, not memory held.
+count: libraries and weights read through a mapping, which the kernel can drop and read
+again). Growth in the first is memory held; in the second, mostly a mapping's pages touched
+for the first time.
 
 RSS counts pages shared between processes (the torch and Python libraries every SGLang process
 maps) once per process, so the sum over a server's processes overstates what it holds; USS
