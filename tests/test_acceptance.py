@@ -237,3 +237,21 @@ def test_corrected_estimates_stay_possible():
     assert est.correction(tree) == 1.0  # the most evidence: the reference
     assert est.correction(chain) > 2.0 / est.model_emitted(chain)
     assert est.expected_emitted(chain) == 2.0
+
+
+def test_steps_before_the_first_refresh_set_no_shape_factor():
+    # A warm-up at batch 32 runs each shape once before the first refresh: the model it is
+    # measured against is still the prior (0.5 where the draft accepts 0.85), so every shape
+    # beats it. Counted with the confidence of the live counts (already 0.6 after one step of
+    # 32) that miss set the tree's factor for as long as the tree did not run again, while the
+    # chain that kept running measured its own back to 1: the tree stayed overrated by a fifth.
+    tree, chain = TreeShape(3, 2, 6), TreeShape(3, 1, 4)
+    est = AcceptanceEstimator(prior=0.5, prior_weight=20.0, decay=0.005, refresh_every=16)
+    rng = np.random.default_rng(21)
+    for shape in (chain, tree):
+        est.observe(shape, *sample_path_stats(shape, 32, TRUE_HAZARDS, rng))
+    for _ in range(300):
+        est.observe(chain, *sample_path_stats(chain, 32, TRUE_HAZARDS, rng))
+    est.refresh()
+    assert est.correction(chain) == 1.0  # the reference
+    assert est.correction(tree) == pytest.approx(1.0, abs=0.03)

@@ -338,3 +338,26 @@ def test_a_forced_refit_without_enough_steps_is_the_default_model_corrected():
     assert update is not None
     assert update.cost_model.residual.measured(CHAIN) == 3
     assert controller.refit() is None  # not due
+
+
+def test_a_refit_on_one_batch_size_prices_smaller_batches_as_that_one():
+    # Every measured step ran 16 requests, and steps cost the same at any batch size (a GPU
+    # below its compute bound): the fit cannot tell a step's fixed cost from its cost per
+    # request and put it on the requests, pricing one request's step at a sixteenth. Below the
+    # smallest batch it was fitted on, the model prices that batch.
+    controller = StepController(config(skip_idle_draft_extend=False))
+    shapes = list(controller.candidate_shapes)
+    ids = tuple(f"r{i}" for i in range(16))
+    for i in range(1, 65):
+        shape = shapes[i % len(shapes)]
+        controller.apply(ControlUpdate(pins=(Pin(shape),)))
+        ticket = controller.begin(BatchView(ids, (50 + i,) * 16))
+        controller.finish(ticket, outcome(ticket, linear(shape)))
+    update = controller.refit(force=True)
+    assert update is not None
+    model = update.cost_model
+    one = controller.begin(BatchView(("a",), (60,))).features
+    predicted = model.predict_ms_many(one, tuple(shapes))
+    assert predicted == pytest.approx([linear(s) for s in shapes], rel=0.05)
+    # At and above the batch it measured the fit is its own.
+    assert model.at_floor(controller.begin(BatchView(ids, (60,) * 16)).features).batch_size == 16

@@ -161,6 +161,9 @@ class AcceptanceEstimator:
         self._layers: dict[int, list[np.ndarray]] = {}
         self._positional: np.ndarray | None = None
         self._many: tuple[Sequence[TreeShape], np.ndarray] | None = None
+        # The confidence as of the last refresh: what a step's miss against the model of that
+        # refresh is weighed by (``observe``).
+        self._refreshed_confidence = 0.0
         self.refresh()
 
     @classmethod
@@ -209,7 +212,7 @@ class AcceptanceEstimator:
         emitted = 1.0 + float(hit.sum()) / max(batch, 1)
         # What the model predicted for this step, and how far to trust that prediction: both
         # as of the last refresh, as the policy saw them.
-        weight = batch * self.confidence()
+        weight = batch * self._refreshed_confidence
         ratio = emitted / self.model_emitted(shape)
         counts = self._counts
         self._add(counts, shape, trials, accepts, emitted)
@@ -242,6 +245,7 @@ class AcceptanceEstimator:
     def refresh(self) -> None:
         """Recompute the cached estimates from the counts; bumps ``revision``."""
         self._hazards = self._posterior(self._counts, self.prior_hazards)
+        self._refreshed_confidence = self.confidence()
         self._factors = self._shape_factors(self._counts)
         wanted = list(self._emitted)
         many = self._many

@@ -233,13 +233,40 @@ class OnlineCostModel:
         step_time: StepTimeModel,
         residual_decay: float,
         table: CostTable | None = None,
+        batch_floor: StepFeatures | None = None,
     ) -> None:
         self.step_time = step_time
         self.table = table
         self.residual = ResidualCorrection(residual_decay)
+        # The smallest batch the step-time model was fitted on (its batch and padded batch
+        # sizes): a smaller batch is priced as that one (``at_floor``).
+        self.batch_floor = batch_floor
+
+    def at_floor(self, features: StepFeatures) -> StepFeatures:
+        """``features``, or a batch of the floor's size with the same mean and longest context
+        when ``features`` is smaller than the smallest batch the model was fitted on.
+
+        A fit on steps of one batch size cannot tell a step's fixed cost from its cost per
+        request (the two regressors are proportional there), and the least-squares fit may put
+        it all on the requests: it then prices a one-request step at a fraction of its cost,
+        and as a closed loop's batch drains the policy runs plain decoding and short chains
+        far from the best shape. Below the batches it has seen the model does not extrapolate:
+        a GPU's step costs about the same there (the weights are read whatever the batch), and
+        on a CPU the next refit, which sees the smaller batches, lowers the floor."""
+        floor = self.batch_floor
+        if floor is None or features.batch_size >= floor.batch_size:
+            return features
+        scale = floor.batch_size / features.batch_size
+        return StepFeatures(
+            floor.batch_size,
+            floor.padded_batch_size,
+            round(features.sum_context_len * scale),
+            features.max_context_len,
+        )
 
     def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` uncorrected predictions."""
+        features = self.at_floor(features)
         table = self.table
         if table is not None and (shapes is table.shapes or shapes == table.shapes):
             row = table.lookup(features)
@@ -290,6 +317,7 @@ class OnlineCostModel:
             update(shape, ms, predicted)
 
     def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
+        features = self.at_floor(features)
         table = self.table
         if table is not None:
             i = table.index.get(shape)

@@ -30,7 +30,7 @@ import numpy as np
 
 from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, StepTimeModel, mape
 from sglang_adatree.core.cost_table import CostTable, TableGrid
-from sglang_adatree.core.features import GraphPadding, StepFeatures, feature_rows
+from sglang_adatree.core.features import COLUMN, GraphPadding, StepFeatures, feature_rows
 from sglang_adatree.core.shapes import TreeShape
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class MeasuredSteps:
             return None
         self._last_refit_total = self.total
         fitted = AnalyticStepTime()
+        floor: StepFeatures | None = None  # the model fitted prices smaller batches as this
         if determined:
             try:
                 fitted = AnalyticStepTime.fit(x, y)
@@ -128,7 +129,8 @@ class MeasuredSteps:
                     return None
             else:
                 self.last_refit_mape = mape(fitted.predict_matrix(x), y)
-        cost_model = OnlineCostModel(fitted, self.residual_decay)
+                floor = _smallest_batch(x)
+        cost_model = OnlineCostModel(fitted, self.residual_decay, batch_floor=floor)
         cost_model.replay(x, shapes, y)
         return cost_model
 
@@ -139,3 +141,14 @@ class MeasuredSteps:
         cost_model = OnlineCostModel(step_time, self.residual_decay, table)
         cost_model.replay(*self.matrix())
         return cost_model
+
+
+def _smallest_batch(x: np.ndarray) -> StepFeatures:
+    """The features of the row with the smallest batch in ``x`` ``[rows, NUM_FEATURES]``."""
+    i = int(np.argmin(x[:, COLUMN["batch_size"]]))
+    return StepFeatures(
+        int(x[i, COLUMN["batch_size"]]),
+        int(x[i, COLUMN["padded_batch_size"]]),
+        int(x[i, COLUMN["sum_context_len"]]),
+        int(x[i, COLUMN["max_context_len"]]),
+    )
