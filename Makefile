@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# Debian packages the suite drives for real: PostgreSQL (multi-node telemetry) and
-# Chromium + ChromeDriver (dashboard browser tests).
-DEB_PACKAGES := postgresql chromium chromium-driver
+# Debian packages the suite drives for real: PostgreSQL (multi-node telemetry),
+# Chromium + ChromeDriver (dashboard browser tests) and tcmalloc (the CPU servers' allocator).
+DEB_PACKAGES := postgresql chromium chromium-driver libtcmalloc-minimal4
 
 .PHONY: venv system-deps test test-fast demo lint clean
 
@@ -28,6 +28,7 @@ system-deps:
 	@missing=""; \
 	command -v chromium >/dev/null || missing="$$missing chromium chromium-driver"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || missing="$$missing libtcmalloc-minimal4"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \

@@ -205,7 +205,7 @@ def test_commands_as_a_user_would_run_them(tmp_path):
         assert config.env(s)["ADATREE_POLICY"] == policy
         assert "re-implemented by sglang-adatree" in config.label(m)
     assert len(flag(ada.command(m, s, 1, None), "--candidate-shapes").split(";")) == 12
-    assert ada.env(s) == {
+    assert {k: v for k, v in ada.env(s).items() if k != "LD_PRELOAD"} == {
         "OMP_NUM_THREADS": "2",
         "TOKENIZERS_PARALLELISM": "false",
         "ADATREE_POLICY": "adatree",

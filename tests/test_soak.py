@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from sglang_adatree.models.paths import ModelPaths
+from sglang_adatree.sglang import allocator
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +113,11 @@ def test_memory_is_reported_beside_the_reference(soak):
     memory = result["memory"]
     assert memory["adatree_rss_total_mb"] and memory["reference_rss_total_mb"]
     assert "adatree_part_uss_mb" in memory
-    roles = {p["role"] for p in memory["per_process"]}
-    assert {"sglang::scheduler", "sglang::detokenizer"} <= roles
+    roles = {p["role"]: p for p in memory["per_process"]}
+    assert {"sglang::scheduler", "sglang::detokenizer"} <= set(roles)
+    # Both servers' model processes run on one allocator: tcmalloc where `make system-deps`
+    # installed it, which the soak's slope is measured on.
+    scheduler = roles["sglang::scheduler"]
+    expected = "tcmalloc" if allocator.find_tcmalloc() is not None else "system"
+    assert scheduler["adatree_allocator"] == scheduler["reference_allocator"] == expected
     print(f"soak: wall {wall:.0f} s, servers ready after {result['soak']['servers_start_s']} s")

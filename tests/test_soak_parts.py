@@ -254,11 +254,23 @@ def test_rss_sampler_follows_each_process_of_the_tree():
 
 
 def test_memory_comparison_names_what_is_adatrees():
-    ours = [memory.ProcessMemory("sglang::scheduler", 1, 3100.0, 2700.0)]
-    theirs = [memory.ProcessMemory("sglang::scheduler", 2, 2900.0, 2500.0)]
+    ours = [memory.ProcessMemory("sglang::scheduler", 1, 3100.0, 2700.0, "tcmalloc")]
+    theirs = [memory.ProcessMemory("sglang::scheduler", 2, 2900.0, 2500.0, "tcmalloc")]
     out = memory.comparison(ours, theirs)
     assert out["adatree_part_uss_mb"] == 200.0
     assert out["per_process"][0]["role"] == "sglang::scheduler"
+    assert out["per_process"][0]["adatree_allocator"] == "tcmalloc"
+
+
+def test_each_process_says_which_allocator_it_runs_on():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = {m.pid: m for m in memory.per_process(os.getpid())}
+        assert mine[os.getpid()].allocator == "system"
+        assert mine[child.pid].allocator in ("system", "unknown")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_bad_request_refusals_are_judged_by_status_and_message(monkeypatch):

@@ -9,7 +9,8 @@ On ``--device cpu`` it also supplies the settings SGLang needs there, unless giv
 ``--disable-cuda-graph``, ``--sleep-on-idle`` (an idle scheduler busy-polls a core otherwise),
 ``--max-total-tokens 32768`` (SGLang sizes the KV pool from free
 memory otherwise: most of the machine), ``--dtype float32``, one tokenizer and one
-detokenizer process, and ``OMP_NUM_THREADS`` = the CPU count for the model process.
+detokenizer process, ``OMP_NUM_THREADS`` = the CPU count for the model process, and tcmalloc in
+``LD_PRELOAD`` for every process where it is installed (``allocator``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 from sglang_adatree.config import ConfigError, load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
+from sglang_adatree.sglang import allocator
 
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--disable-cuda-graph", None),
@@ -92,6 +94,14 @@ def build_command(argv: Sequence[str], env: dict[str, str]) -> list[str]:
                 rest += [flag] if value is None else [flag, value]
         env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            preload = allocator.preload(env)
+        except ValueError as exc:
+            raise SystemExit(f"adatree serve: {exc}") from None
+        if preload is not None:
+            env["LD_PRELOAD"] = preload
+        elif note := allocator.missing_note(env):
+            print(f"adatree serve: {note}", file=sys.stderr)
     return [sys.executable, "-m", "sglang.launch_server", *rest]
 
 

@@ -23,7 +23,10 @@ as it serves while the memory it uses does not. The poller hands the free pages 
 applied a version that came or went, and every ``heap_release_s`` besides. A release walks the
 heap's free chunks under each arena's lock, tens of milliseconds on a large fragmented heap
 during which the decode loop's allocations wait, so it runs on that clock and at version
-changes, not after the frequent analytic refits.
+changes, not after the frequent analytic refits. A CPU server started by ``adatree serve`` runs
+on tcmalloc (``sglang.allocator``), which reuses freed memory within its size classes and keeps
+its working set: there ``malloc_trim`` finds glibc's heap nearly empty and the release matters
+only where the server runs on glibc's malloc.
 """
 
 from __future__ import annotations

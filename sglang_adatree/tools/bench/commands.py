@@ -24,6 +24,7 @@ from pathlib import Path
 from sglang_adatree.config import load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
 from sglang_adatree.models.paths import ModelPaths
+from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.client import Load
 from sglang_adatree.tools.bench.configurations import (
     Models,
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             split_items(str(_option(args, "policies"))), models.draft_kind, candidates
         )
         loads = [Load.parse(x) for x in str(_option(args, "loads")).split(",") if x.strip()]
+        allocator.chosen_allocator(os.environ)
     except (ShapeError, ValueError) as exc:
         raise SystemExit(f"adatree bench: {exc}") from None
     num_requests = int(_option(args, "num_requests"))

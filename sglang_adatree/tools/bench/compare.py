@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from sglang_adatree.config import load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
+from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.commands import (
     add_model_arguments,
     exit_on_signal,
@@ -87,6 +89,7 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
         candidates = candidates or load_config().candidate_shapes
         configs = parse_configurations(split_items(args.policies), models.draft_kind, candidates)
         workload = load_workload(args.prompts, args.num_requests, args.seed)
+        allocator.chosen_allocator(os.environ)
     except (ShapeError, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"adatree compare: {exc}") from None
     if len(configs) < 2:

@@ -34,6 +34,7 @@ code.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from sglang_adatree.core.baselines import LABEL as REIMPLEMENTED
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape, parse_candidates
 from sglang_adatree.drafts import draft_kind_of
 from sglang_adatree.models.paths import TOKEN_MAP_FILE
+from sglang_adatree.sglang import allocator
 
 ADAPTIVE_POLICIES = ("adatree", "turbospec", "sglang-adaptive")
 # STANDALONE's and EAGLE's (Llama target) shapes when no shape flag is given.
@@ -183,8 +185,12 @@ class Configuration:
         return [*launch, *spec, *settings.extra_args]
 
     def env(self, settings: ServerSettings) -> dict[str, str]:
-        """Environment of the server: same threads for all, the decision rule for ours."""
+        """Environment of the server: same threads and, on a CPU, the same allocator for all
+        (``adatree serve``'s: ``sglang.allocator``), the decision rule for ours. Raises
+        ``ValueError`` for a bad ``ADATREE_ALLOCATOR``."""
         env = {"OMP_NUM_THREADS": str(settings.threads), "TOKENIZERS_PARALLELISM": "false"}
+        if settings.device == "cpu" and (preload := allocator.preload(os.environ)) is not None:
+            env["LD_PRELOAD"] = preload
         if self.kind == "adatree-serve":
             env["ADATREE_POLICY"] = str(self.policy)
             env["ADATREE_RECORD_STEPS"] = "true"

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from sglang_adatree.sglang import allocator
+
 MB = 1024 * 1024
 
 
@@ -29,6 +31,7 @@ class ProcessMemory:
     pid: int
     rss_mb: float
     uss_mb: float | None  # None when smaps could not be read
+    allocator: str = "unknown"  # tcmalloc, system (glibc's malloc), ...: from its mappings
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -63,11 +66,12 @@ def per_process(pid: int) -> list[ProcessMemory]:
     for p in tree(pid):
         try:
             info = p.memory_full_info()
-            out.append(ProcessMemory(_role(p), p.pid, info.rss / MB, info.uss / MB))
+            rss, uss = info.rss / MB, info.uss / MB
         except psutil.AccessDenied:
-            out.append(ProcessMemory(_role(p), p.pid, p.memory_info().rss / MB, None))
+            rss, uss = p.memory_info().rss / MB, None
         except psutil.NoSuchProcess:
-            pass
+            continue
+        out.append(ProcessMemory(_role(p), p.pid, rss, uss, allocator.mapped_allocator(p.pid)))
     return sorted(out, key=lambda m: -m.rss_mb)
 
 
@@ -187,6 +191,8 @@ def comparison(ours: list[ProcessMemory], reference: list[ProcessMemory]) -> dic
                 "reference_rss_mb": None if b is None else round(b.rss_mb, 1),
                 "adatree_uss_mb": None if a is None or a.uss_mb is None else round(a.uss_mb, 1),
                 "reference_uss_mb": None if b is None or b.uss_mb is None else round(b.uss_mb, 1),
+                "adatree_allocator": None if a is None else a.allocator,
+                "reference_allocator": None if b is None else b.allocator,
             }
         )
 
