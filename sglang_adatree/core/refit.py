@@ -18,6 +18,10 @@ model prices the steps (a GPU's costs) with the shape's own few measurements shr
 (``cost_model.PRIOR_STEPS``), which on a CPU is far off: the first refit should come as soon as
 the fit is determined. Later ones come each time the measured steps have doubled, then every
 ``REFIT_EVERY_ROWS``.
+
+A fitted model does not extrapolate below the smallest batch it was fitted on
+(``OnlineCostModel.at_floor``): steps of one batch size cannot separate a step's fixed cost from
+its cost per request.
 """
 
 from __future__ import annotations
