@@ -4,6 +4,7 @@ step boundary, refits follow the schedule, and an unreadable store is logged onc
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from sglang_adatree.core.features import feature_rows
 from sglang_adatree.core.policy import DecisionSource, Pin
 from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.core.xgb_cost import fit_xgboost
+from sglang_adatree.sglang import allocator
 from sglang_adatree.telemetry import control
 from sglang_adatree.telemetry import poller as poller_module
 from sglang_adatree.telemetry.poller import ControlPoller
@@ -198,10 +200,11 @@ def test_the_freed_heap_is_released_on_a_clock_as_well(tmp_path, monkeypatch):
     assert releases == [1, 1]
 
 
-def test_release_freed_heap_returns_free_pages_to_the_system():
+@pytest.mark.parametrize("preload", ["system", "tcmalloc"])
+def test_release_freed_heap_returns_free_pages_to_the_system(preload):
     # 128 MB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap), freed
     # under a block that stays: the heap cannot shrink from its top, so the pages stay resident
-    # until released.
+    # until released. tcmalloc keeps freed spans mapped until asked, the same way.
     script = textwrap.dedent(
         """
         import numpy as np
@@ -220,8 +223,15 @@ def test_release_freed_heap_returns_free_pages_to_the_system():
         print(released, freed - rss_mb())
         """
     )
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if preload == "tcmalloc":
+        library = allocator.find_tcmalloc()
+        if library is None:
+            pytest.skip("tcmalloc is not installed")
+        env["LD_PRELOAD"] = str(library)
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
     ).stdout.split()
     if out[0] == "False":
         pytest.skip("this C library has no malloc_trim")

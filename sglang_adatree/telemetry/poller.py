@@ -24,9 +24,10 @@ applied a version that came or went, and every ``heap_release_s`` besides. A rel
 heap's free chunks under each arena's lock, tens of milliseconds on a large fragmented heap
 during which the decode loop's allocations wait, so it runs on that clock and at version
 changes, not after the frequent analytic refits. A CPU server started by ``adatree serve`` runs
-on tcmalloc (``sglang.allocator``), which reuses freed memory within its size classes and keeps
-its working set: there ``malloc_trim`` finds glibc's heap nearly empty and the release matters
-only where the server runs on glibc's malloc.
+on tcmalloc (``sglang.allocator``), which reuses freed memory within its size classes, so its
+steady decode loop stops growing once its working set is reached; but it keeps what a burst took
+(a database outage's backlog of rows, say) until asked to give back its free spans, which the
+same release does.
 """
 
 from __future__ import annotations
@@ -50,13 +51,17 @@ HEAP_RELEASE_S = 180.0
 
 
 def release_freed_heap() -> bool:
-    """Return the C heap's free pages to the system; False where the C library cannot
-    (``malloc_trim`` is glibc's)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    """Return the allocators' free pages to the system: tcmalloc's free spans where it is
+    loaded (``MallocExtension_ReleaseFreeMemory``), glibc's free heap (``malloc_trim``); False
+    where neither is there."""
+    process = ctypes.CDLL(None)
+    released = False
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        release = getattr(process, name, None)
+        if release is not None:
+            release(*args)
+            released = True
+    return released
 
 
 class ControlPoller:
