@@ -52,16 +52,21 @@ def chosen_allocator(environ: Mapping[str, str]) -> str:
     return value
 
 
+def _left_as_it_is(environ: Mapping[str, str]) -> bool:
+    """Whether the operator chose the allocator: ``system``, or a preload naming one."""
+    if chosen_allocator(environ) == "system":
+        return True
+    return any(name in environ.get("LD_PRELOAD", "") for name in ALLOCATOR_LIBRARIES)
+
+
 def preload(environ: Mapping[str, str], library: Path | None = None) -> str | None:
     """The ``LD_PRELOAD`` a CPU server's processes should start with, or None to leave
     ``environ``'s as it is: when ``system`` is chosen, when the preload already names an
     allocator, or when tcmalloc is not installed. ``library``: tcmalloc's path (default: found
     on this machine). Raises ``ValueError`` for a bad ``ADATREE_ALLOCATOR``."""
-    if chosen_allocator(environ) == "system":
+    if _left_as_it_is(environ):
         return None
     current = environ.get("LD_PRELOAD", "").strip()
-    if any(name in current for name in ALLOCATOR_LIBRARIES):
-        return None
     library = library or find_tcmalloc()
     if library is None:
         return None
@@ -70,11 +75,7 @@ def preload(environ: Mapping[str, str], library: Path | None = None) -> str | No
 
 def missing_note(environ: Mapping[str, str]) -> str | None:
     """A line for the operator when tcmalloc is wanted and not installed; None otherwise."""
-    if chosen_allocator(environ) == "system":
-        return None
-    if any(name in environ.get("LD_PRELOAD", "") for name in ALLOCATOR_LIBRARIES):
-        return None
-    if find_tcmalloc() is not None:
+    if _left_as_it_is(environ) or find_tcmalloc() is not None:
         return None
     return (
         "tcmalloc not found (Debian: libtcmalloc-minimal4): the CPU server runs on glibc's "
