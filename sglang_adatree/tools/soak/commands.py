@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rss-slope-limit",
         type=float,
         default=1.0,
-        help="the RSS slope after warm-up that passes, MB/min (default %(default)s)",
+        help="the slope of the RSS peaks after warm-up that passes, MB/min (default %(default)s)",
     )
     add("--no-browser", action="store_true", help="no headless Chromium on the dashboard")
 

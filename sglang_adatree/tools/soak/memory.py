@@ -1,6 +1,12 @@
 """Memory of a server's process tree: RSS over the soak (its slope after warm-up) and, at the
 end, RSS and USS per process beside the reference server's.
 
+The slope that judges flatness is that of the series' upper envelope: the peak of each window
+as long as the control poller's period of handing freed heap back to the system. Those releases
+make RSS a sawtooth (down by up to a few hundred MB, then the load takes the pages again), and
+a least-squares line through every sample then reads the sawtooth's phase at the soak's two
+ends as much as any growth. A leak raises every window's peak; a release lowers none of them.
+
 RSS is split by kind as it is sampled: anonymous pages (the heaps: Python's, the C library's,
 torch's tensors) and resident pages of mapped files or shared memory (``statm``'s shared
 count: libraries and weights read through a mapping, which the kernel can drop and read
@@ -75,6 +81,27 @@ def per_process(pid: int) -> list[ProcessMemory]:
     return sorted(out, key=lambda m: -m.rss_mb)
 
 
+def envelopes(
+    samples: list[tuple[float, float]], window_s: float
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The peak and the floor of each consecutive ``window_s`` of (seconds, MB) samples, each
+    at the time it was sampled; a last window shorter than half of ``window_s`` is left out,
+    since its peak would be sampled over less time than the others'."""
+    if not samples or window_s <= 0:
+        return [], []
+    peaks: list[tuple[float, float]] = []
+    floors: list[tuple[float, float]] = []
+    first = samples[0][0]
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for t, m in samples:
+        windows.setdefault(int((t - first) // window_s), []).append((t, m))
+    for index, window in sorted(windows.items()):
+        if window[-1][0] - (first + index * window_s) >= window_s / 2:
+            peaks.append(max(window, key=lambda s: s[1]))
+            floors.append(min(window, key=lambda s: s[1]))
+    return peaks, floors
+
+
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, MB) samples, in MB per minute; None under 3 samples."""
     if len(samples) < 3:
@@ -138,36 +165,47 @@ class RssSampler:
             if self._stop.wait(self.every_s):
                 return
 
-    def to_json(self, warmup_s: float) -> dict:
-        out = _series_json(self.samples, warmup_s)
+    def to_json(self, warmup_s: float, window_s: float) -> dict:
+        out = _series_json(self.samples, warmup_s, window_s)
         out["per_process"] = [
-            {"role": role, **_series_json(samples, warmup_s, keep_samples=False)}
+            {"role": role, **_series_json(samples, warmup_s, window_s, keep_samples=False)}
             for role, samples in sorted(self.by_role.items(), key=lambda kv: -kv[1][-1][1])
         ]
         out["by_kind"] = {
-            kind: _series_json(samples, warmup_s, keep_samples=False)
+            kind: _series_json(samples, warmup_s, window_s, keep_samples=False)
             for kind, samples in self.by_kind.items()
         }
         return out
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _series_json(
-    samples: list[tuple[float, float]], warmup_s: float, keep_samples: bool = True
+    samples: list[tuple[float, float]],
+    warmup_s: float,
+    window_s: float,
+    keep_samples: bool = True,
 ) -> dict:
-    """Start, end, max and the slope after warm-up of one RSS series; and the slope over the
-    later half of that window, which tells growth that is settling (an allocator's caches
-    filling) from growth that goes on (a leak): the first is steeper early than late."""
+    """Start, end, max and the slopes after warm-up of one RSS series: of its peaks and its
+    floors over windows of ``window_s`` (the peaks' judges flatness), of every sample, and of
+    every sample over the later half, which tells growth that is settling (an allocator's
+    caches filling) from growth that goes on (a leak): the first is steeper early than late."""
     after = [(t, m) for t, m in samples if t >= warmup_s]
     middle = (after[0][0] + after[-1][0]) / 2 if after else 0.0
     late = [(t, m) for t, m in after if t >= middle]
-    slope, late_slope = slope_mb_per_min(after), slope_mb_per_min(late)
+    peaks, floors = envelopes(after, window_s)
     out = {
         "start_mb": round(samples[0][1], 1) if samples else None,
         "end_mb": round(samples[-1][1], 1) if samples else None,
         "max_mb": round(max(m for _, m in samples), 1) if samples else None,
         "slope_after_s": warmup_s,
-        "slope_mb_per_min": None if slope is None else round(slope, 3),
-        "late_slope_mb_per_min": None if late_slope is None else round(late_slope, 3),
+        "envelope_window_s": window_s,
+        "peak_slope_mb_per_min": _rounded(slope_mb_per_min(peaks)),
+        "floor_slope_mb_per_min": _rounded(slope_mb_per_min(floors)),
+        "slope_mb_per_min": _rounded(slope_mb_per_min(after)),
+        "late_slope_mb_per_min": _rounded(slope_mb_per_min(late)),
     }
     if keep_samples:
         out["samples"] = [[round(t, 1), round(m, 1)] for t, m in samples]

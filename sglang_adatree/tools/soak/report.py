@@ -87,7 +87,7 @@ def assemble(
     """The report as JSON; the server's records (``state`` onwards) are missing after a crash."""
     accounting = accounting or {}
     pins = pins or {"pins_applied": 0, "pins_obeyed": 0, "pins_refused": 0, "pins": []}
-    rss = seen.rss.to_json(seen.schedule.warmup_s)
+    rss = seen.rss.to_json(seen.schedule.warmup_s, seen.schedule.rss_window_s)
     greedy = seen.greedy.to_json()
     browser = seen.browser
     errors = browser.script_errors if browser else []
@@ -117,7 +117,9 @@ def assemble(
         },
         "rss_start_mb": rss["start_mb"],
         "rss_end_mb": rss["end_mb"],
-        "rss_slope_mb_per_min": rss["slope_mb_per_min"],
+        # Judged: the slope of the peaks (memory.py says why not that of every sample).
+        "rss_slope_mb_per_min": rss["peak_slope_mb_per_min"],
+        "rss_sample_slope_mb_per_min": rss["slope_mb_per_min"],
         "rss": rss,
         "pins_applied": pins["pins_applied"],
         "pins_obeyed": pins["pins_obeyed"],

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from sglang_adatree.telemetry.poller import HEAP_RELEASE_S
+
 FULL_MINUTES = 30.0
 # The shortest each period may become in a short soak: a pin must outlive a control poll and a
 # few decode steps, a fault must outlive the writer's flush and the dashboard's refresh.
@@ -82,6 +84,13 @@ class Schedule:
         then in a 30-minute soak (two pins a cycle, twelve shapes)."""
         return min(600.0, 0.3 * self.seconds)
 
+    @property
+    def rss_window_s(self) -> float:
+        """The window whose RSS peaks judge flatness: the server's period of handing freed heap
+        back, so each window holds a whole sawtooth tooth; shorter in a short soak, which
+        still gets six windows after warm-up."""
+        return min(HEAP_RELEASE_S, (self.seconds - self.warmup_s) / 6)
+
     @classmethod
     def for_minutes(cls, minutes: float) -> Schedule:
         if minutes <= 0:
@@ -137,4 +146,6 @@ class Schedule:
             "bad_requests_every_s": self.bad_requests_every_s,
             "browser_reload_s": self.browser_reload_s,
             "faults_s": [[w.start_s, w.deleted_s, w.end_s] for w in self.faults],
+            "rss_warmup_s": self.warmup_s,
+            "rss_window_s": self.rss_window_s,
         }
