@@ -26,9 +26,10 @@ from sglang_adatree.sglang import allocator
 
 pytestmark = pytest.mark.slow
 
-# MB/min after a 54-second warm-up: a leak of megabytes per request. The servers run on
-# tcmalloc, which grows to its working set (about 250 MB over the start) in the first two
-# minutes, inside this short form's window; the 30-minute soak judges flatness.
+# MB/min of the RSS peaks (21-second windows) after a 54-second warm-up: a leak of megabytes
+# per request. The servers run on tcmalloc, which grows to its working set (about 250 MB over
+# the start) in the first two minutes, inside this short form's window; the 30-minute soak
+# judges flatness.
 RSS_SLOPE_LIMIT = 200.0
 HOME = Path(os.environ.get("ADATREE_HOME", "~/.cache/sglang-adatree")).expanduser()
 
