@@ -85,8 +85,9 @@ def envelopes(
     samples: list[tuple[float, float]], window_s: float
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """The peak and the floor of each consecutive ``window_s`` of (seconds, MB) samples, each
-    at the time it was sampled; a last window shorter than half of ``window_s`` is left out,
-    since its peak would be sampled over less time than the others'."""
+    at the time it was sampled; a window whose samples end before its middle (the last one,
+    cut short by the soak's end, or one the sampler stalled in) is left out, since its peak
+    would be sampled over less time than the others'."""
     if not samples or window_s <= 0:
         return [], []
     peaks: list[tuple[float, float]] = []
