@@ -59,6 +59,20 @@ def test_a_run_is_a_pure_function_of_its_inputs():
     assert c.goodput_tok_s != a.goodput_tok_s
 
 
+@pytest.mark.parametrize("keep", [0.0, 0.6])
+def test_step_noise_has_its_sigma_and_its_step_to_step_correlation(keep):
+    from sglang_adatree.lab.simulator import _Machine
+
+    cfg = SimConfig(Arrivals("closed", concurrency=1), num_requests=1, noise=0.15, noise_keep=keep)
+    machine = _Machine(profile(), cfg)
+    log_noise = np.log([machine.measured(100.0) / 100.0 for _ in range(20_000)])  # [steps]
+    assert log_noise.std() == pytest.approx(0.15, rel=0.05)
+    lag1 = np.corrcoef(log_noise[:-1], log_noise[1:])[0, 1]
+    assert lag1 == pytest.approx(keep, abs=0.03)
+    with pytest.raises(ValueError, match="noise_keep"):
+        SimConfig(Arrivals("closed", concurrency=1), num_requests=1, noise_keep=1.0)
+
+
 def test_a_prefill_costs_a_step_without_speculation_per_64_prompt_tokens():
     from sglang_adatree.lab.simulator import _Machine
 

@@ -7,7 +7,8 @@ decoding runs no mixed batches). A decode step runs every running request under 
 request emits what its trace says for that shape at its position; a request that has emitted its
 whole answer leaves the batch. Time advances by the profile's step time, scaled by the machine's
 speed (an Ornstein-Uhlenbeck walk in log speed, ``drift`` its stationary sigma) and per-step
-noise (``noise``, log-normal sigma); both are seeded, so a run is a pure function of its
+noise (``noise``, log-normal sigma, persisting ``noise_keep`` from one step to the next: a shared
+CPU's slow and fast steps come in runs); both are seeded, so a run is a pure function of its
 inputs. A prefill of ``P`` prompt tokens costs ``1 + P / PREFILL_TOKENS_PER_STEP`` steps
 without speculation at that context (``_Machine.prefill_ms``).
 
@@ -102,6 +103,9 @@ class SimConfig:
     num_requests: int
     max_batch_size: int = 256
     noise: float = 0.0  # sigma of per-step log-normal noise on step time
+    # The log noise's correlation from one decode step to the next (an AR(1) of stationary sigma
+    # ``noise``); 0: independent steps.
+    noise_keep: float = 0.0
     drift: float = 0.0  # stationary sigma of the log speed walk
     seed: int = 0
     shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
@@ -114,6 +118,8 @@ class SimConfig:
             raise ValueError(f"need >= 1 request and an integer batch limit: {self}")
         if self.max_batch_size < 1 or self.noise < 0 or self.drift < 0:
             raise ValueError(f"batch limit >= 1, noise and drift >= 0: {self}")
+        if not 0.0 <= self.noise_keep < 1.0:
+            raise ValueError(f"noise_keep must be in [0, 1): {self}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,8 @@ class _Machine:
     def __init__(self, profile: StepTimeProfile, cfg: SimConfig) -> None:
         self.profile = profile
         self.noise = cfg.noise
+        self.noise_keep = cfg.noise_keep
+        self.log_noise = 0.0  # the last decode step's
         self.drift = cfg.drift
         self.noise_rng = np.random.default_rng(cfg.seed + 7919)
         self.speed_rng = np.random.default_rng(cfg.seed + 104729)
@@ -191,7 +199,10 @@ class _Machine:
     def measured(self, true_ms: float) -> float:
         if self.noise <= 0:
             return true_ms
-        return true_ms * math.exp(float(self.noise_rng.normal(0.0, self.noise)))
+        keep = self.noise_keep
+        fresh = float(self.noise_rng.normal(0.0, self.noise))
+        self.log_noise = keep * self.log_noise + math.sqrt(1.0 - keep * keep) * fresh
+        return true_ms * math.exp(self.log_noise)
 
     def prefill_ms(self, prompt_tokens: int) -> float:
         """A prefill over ``prompt_tokens``: one step without speculation per
