@@ -267,7 +267,11 @@ def measured_run(controller: StepController, shapes, steps: int, cost) -> list[i
         shape = shapes[i % len(shapes)]
         controller.apply(ControlUpdate(pins=(Pin(shape),)))
         ticket = controller.begin(BatchView(("a",), (50 + i % 7,)))
+        fitted = controller.measured.fitted
         controller.finish(ticket, outcome(ticket, cost(shape)))
+        if controller.measured.fitted and not fitted:
+            refits.append(i)  # the first refit: the controller's own
+            continue
         update = controller.refit()
         if update is not None:
             controller.apply(update)
@@ -298,6 +302,47 @@ def test_the_first_refit_comes_once_every_candidate_was_measured():
     # determined, then each time the measurements have doubled, then at the steady interval.
     first = FIRST_REFIT_ROWS
     assert refits == [first, 2 * first, 4 * first, 8 * first, 256, 384]
+
+
+def test_the_controller_runs_the_first_refit_itself():
+    # No poller here: the first refit must not wait for one, since until it the policy prices
+    # a CPU's steps at a GPU's costs.
+    controller = StepController(config(skip_idle_draft_extend=False))
+    shapes = list(controller.candidate_shapes)
+    for i in range(FIRST_REFIT_ROWS):
+        shape = shapes[i % len(shapes)]
+        controller.apply(ControlUpdate(pins=(Pin(shape),)))
+        ticket = controller.begin(BatchView(("a",), (50 + i % 7,)))
+        if i == 0:
+            assert ticket.decision.predicted_ms < 0.5 * linear(shape)  # the default model's
+        controller.finish(ticket, outcome(ticket, linear(shape)))
+    assert controller.measured.fitted and controller.updates_pending
+    controller.apply(ControlUpdate(pins=()))
+    features = controller.begin(BatchView(("a",), (60,))).features
+    fitted = controller.policy.cost_model
+    predicted = fitted.predict_ms_many(features, tuple(shapes))
+    assert predicted == pytest.approx([linear(s) for s in shapes], rel=0.1)
+    # The later refits are the poller's.
+    for i in range(4 * FIRST_REFIT_ROWS):
+        ticket = controller.begin(BatchView(("a",), (61 + i,)))
+        controller.finish(ticket, outcome(ticket, linear(ticket.decision.shape)))
+    assert controller.policy.cost_model is fitted and controller.measured.refit_due()
+
+
+def test_no_first_refit_replaces_a_trained_version():
+    # A trained policy version prices the steps already: no refit replaces it.
+    controller = StepController(config(skip_idle_draft_extend=False))
+    trained = controller.measured.refit(force=True)
+    controller.apply(ControlUpdate(cost_model=trained, policy_version=3))
+    shapes = list(controller.candidate_shapes)
+    controller.begin(BatchView(("a",), (50,)))  # applies the version
+    for i in range(2 * FIRST_REFIT_ROWS):
+        shape = shapes[i % len(shapes)]
+        controller.apply(ControlUpdate(pins=(Pin(shape),)))
+        ticket = controller.begin(BatchView(("a",), (51 + i,)))
+        controller.finish(ticket, outcome(ticket, linear(shape)))
+    assert not controller.updates_pending
+    assert controller.policy.cost_model is trained and controller.policy.policy_version == 3
 
 
 def test_without_every_candidate_measured_the_first_refit_waits():

@@ -18,6 +18,7 @@ from test_controller import config, outcome
 from sglang_adatree.core.controller import BatchView, StepController
 from sglang_adatree.core.features import feature_rows
 from sglang_adatree.core.policy import DecisionSource, Pin
+from sglang_adatree.core.refit import FIRST_REFIT_ROWS
 from sglang_adatree.core.shapes import TreeShape
 from sglang_adatree.core.xgb_cost import fit_xgboost
 from sglang_adatree.sglang import allocator
@@ -104,7 +105,9 @@ def test_refits_come_through_the_poller_until_a_version_is_active(tmp_path):
     url = store(tmp_path)
     controller = StepController(config(skip_idle_draft_extend=False, warmup_steps=30))
     poller = ControlPoller(controller, url, poll_s=60.0, start=False)
-    for i in range(30):  # the warm-up measures every shape
+    # The warm-up measures every shape; the first refit is the controller's own, the second
+    # (due once the measured steps have doubled) the poller's.
+    for i in range(2 * FIRST_REFIT_ROWS):
         ticket = controller.begin(BatchView(("a",), (50 + i,)))
         controller.finish(ticket, outcome(ticket, 40.0 + 10.0 * ticket.decision.shape.steps))
     update = poller.poll()
@@ -157,7 +160,7 @@ def test_the_freed_heap_is_released_once_a_version_has_been_swapped_in_or_out(
     controller = StepController(config(skip_idle_draft_extend=False, warmup_steps=30))
     poller = ControlPoller(controller, url, poll_s=60.0, start=False, heap_release_s=0)
     context = iter(range(50, 1000))
-    for _ in range(30):
+    for _ in range(2 * FIRST_REFIT_ROWS):
         ticket = controller.begin(BatchView(("a",), (next(context),)))
         controller.finish(ticket, outcome(ticket, 40.0 + 10.0 * ticket.decision.shape.steps))
     assert poller.poll().model_source == "refit"

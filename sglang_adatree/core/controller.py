@@ -16,7 +16,8 @@ Between the two, nothing is shared with the driver but the ticket. ``finish`` te
 telemetry writer, the Prometheus series); the controller imports neither.
 
 Operator control and new cost models arrive as ``ControlUpdate`` values through ``apply`` (any
-thread), and take effect at the next ``begin``: a step boundary.
+thread), and take effect at the next ``begin``: a step boundary. The first analytic refit is the
+controller's own (``_first_refit``); the later ones come from the control poller.
 
 Draft catch-up: with ``skip_idle_draft_extend`` a step without speculation skips the draft's
 extend, so the draft of every request in that batch is one token behind and its next draft
@@ -246,6 +247,9 @@ class StepController:
         self._held: _Held | None = None
         self._draft_behind: frozenset[str] = frozenset()
         self._counters = _Counters()
+        # False: every refit waits for a caller of ``refit`` (a driver whose cost model must
+        # not be replaced, as the lab's with the true step times).
+        self.runs_first_refit = True
 
     # -- the decode loop ------------------------------------------------------------------
 
@@ -310,6 +314,8 @@ class StepController:
                 ticket.features, shape, outcome.measured_ms, paths, ticket.request_ids
             )
             self.measured.add(ticket.features, shape, outcome.measured_ms)
+            if self.runs_first_refit and not self.measured.fitted and self.policy_version is None:
+                self._first_refit()
         accepted = int(sum(outcome.accepted_per_request))
         offered: tuple[int, ...] = ()
         by_depth: tuple[int, ...] = ()
@@ -410,6 +416,16 @@ class StepController:
                     update.policy_version,
                 )
         return applied
+
+    def _first_refit(self) -> None:
+        """The first refit, here on the decode loop as soon as it is due, not at the control
+        poller's next poll: until it, the policy prices the steps with the default model (a
+        GPU's costs, a tenth of a CPU's), and on a CPU a poll interval is ten decode steps that
+        run whichever shapes those prices favour. A fit of a few dozen steps takes about a
+        millisecond; later refits, of thousands, stay with the poller."""
+        update = self.refit()
+        if update is not None:
+            self.apply(update)
 
     def _unfinished(self, count: int) -> None:
         self._counters.unfinished += count

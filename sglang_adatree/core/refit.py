@@ -14,10 +14,11 @@ Refit schedule: an analytic fit needs measurements of more than one shape to sep
 The first refit comes once every candidate was measured (the warm-up's first round) and there
 are ``FIRST_REFIT_ROWS`` measured steps, about twice the fit's 7 terms, or else after
 ``MIN_REFIT_ROWS`` (no warm-up, or pins hold the server on few shapes). Until then the default
-model prices the steps (a GPU's costs) with the shape's own few measurements shrunk towards it
-(``cost_model.PRIOR_STEPS``), which on a CPU is far off: the first refit should come as soon as
-the fit is determined. Later ones come each time the measured steps have doubled, then every
-``REFIT_EVERY_ROWS``.
+model prices the steps (a GPU's costs) scaled by the residual correction's drift, which on a CPU
+leaves every shape's part of the error to its own few steps: the first refit should come as soon as
+the fit is determined, so the step controller runs it itself, on the step that makes it due.
+Later ones come each time the measured steps have doubled, then every ``REFIT_EVERY_ROWS``, from
+the control poller.
 
 A fitted model does not extrapolate below the smallest batch it was fitted on
 (``OnlineCostModel.at_floor``): steps of one batch size cannot separate a step's fixed cost from
@@ -98,6 +99,11 @@ class MeasuredSteps:
         shapes = [m.shape for m in rows]
         x = feature_rows([m.features for m in rows], shapes)
         return x, shapes, np.array([m.measured_ms for m in rows], dtype=np.float64)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether a refit (forced or due) has run."""
+        return self._last_refit_total > 0
 
     def refit_due(self) -> bool:
         """Whether the schedule in the module docstring calls for a refit now (cheap: it is

@@ -134,6 +134,7 @@ def _variant(
         if "step-time" in replaced:
             policy.cost_model = _TruthStepTime(machine)
             chooser.refits = False
+            chooser.controller.runs_first_refit = False
         if "switching" in replaced:
             chooser.charge_catch_up = False
 
