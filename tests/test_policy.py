@@ -269,11 +269,15 @@ def test_observations_move_the_decision():
         paths = sample_path_stats(shape, 8, np.full((16, 16), 0.02), rng)
         policy.observe(batch(4), shape, 5.0, AcceptedPathStats(*map(torch.from_numpy, paths)))
     assert policy.acceptance.expected_emitted(TreeShape(6, 4, 16)) < 1.2
-    # Measured steps are slower than predicted for the tree: the residual pulls it up.
+    # The tree's steps get slower while the chain keeps its price: the tree alone is dearer
+    # (were the chain not measured, the machine could as well have slowed down for all).
     assert policy.cost_model.predict_ms(batch(4), TreeShape(6, 4, 16)) == pytest.approx(5.0)
-    for _ in range(100):
-        policy.observe(batch(4), TreeShape(6, 4, 16), 10.0)
+    for _ in range(20):
+        for _ in range(5):
+            policy.observe(batch(4), TreeShape(6, 4, 16), 10.0)
+        policy.observe(batch(4), TreeShape(1, 1, 2), 5.0)
     assert policy.cost_model.predict_ms(batch(4), TreeShape(6, 4, 16)) > 9.0
+    assert policy.cost_model.predict_ms(batch(4), TreeShape(1, 1, 2)) < 5.5
     assert policy.decide(batch(4)).shape != TreeShape(6, 4, 16)
 
 

@@ -10,26 +10,38 @@ Two layers:
   multiplies them by a per-shape residual correction so that measured step times pull the
   predictions back when the model is off.
 
-The residual correction has two parts, both in ``log(measured_ms / predicted_ms)``:
+The residual correction is a Kalman filter over ``log(measured_ms / predicted_ms)``, whose
+state is a drift common to every shape (the machine's speed: a shared CPU, a GPU's clocks,
+neighbours) and one part per shape (how far the step-time model misprices that shape), each
+with its variance and their covariances. A step of a shape measures the sum of the drift and
+that shape's part, plus the step's own noise, and splits what it says between them in
+proportion to how little each is known:
 
-* a per-shape part: an exponential moving average, with weight ``residual_decay`` on the newest
-  step of that shape, of the step's ``log`` ratio less the drift (below), shrunk towards 0 (the
-  model's own view of the shape) as if the model were ``PRIOR_STEPS`` steps that agree with it.
-  The prior's weight decays like any old step's, so a shape measured often ends at its plain
-  moving average;
-* a drift common to every shape, for what moves all of them at once (the machine's speed: a
-  shared CPU, a GPU's clocks, neighbours): each step of a shape measured before moves it by
-  ``DRIFT_GAIN_RATIO * residual_decay`` times what the step says beyond that shape's own
-  average. A shape's first step says nothing about drift (it has no history to differ from), so
-  it only starts the shape's part.
+* at the start the drift is unknown (the default model may be a GPU's costs on a CPU, ten times
+  off) and a part is known to be near the model's view of the shape (a standard deviation of
+  ``sqrt(PART_PRIOR_VAR)``), so the first steps set the drift;
+* between steps the drift walks (the machine changes: a variance of ``drift_walk`` noise
+  variances a step, set so that while one shape runs its surprises move the drift by about
+  ``DRIFT_GAIN_RATIO * residual_decay`` of themselves, as the drift of the machine needs) and
+  every part walks far slower (``PART_WALK``), so a shape's standing against the others goes
+  stale slowly while it does not run;
+* a shape that runs pins the sum of the drift and its own part, but not how they split; a step
+  of another shape, measured rarely, then mostly corrects that other shape's part (its variance
+  is the larger), not the drift, so a shape priced wrong by a few noisy steps is put right by
+  the next few steps it runs, while the running shape's prediction does not move.
+
+The step's noise variance is estimated online from the surprises (``NOISE_RATE``): on the
+2-core CPU a step's log time strays by about 0.17 from one step to the next (docs/lab.md), on a
+GPU by a few hundredths, and how far a single step may move an estimate follows from it.
 
 The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
 only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
 chain 1,1,2 went from 139 to 115 ms a step while it ran, the tree 2,2,4 kept its old prediction
 (186 ms; an exploring step measured it at 130) and the policy stayed on the chain for 200 steps
-where the tree was 6% better. A change the running shape sees splits between the drift and that
-shape's part in the ratio of their gains, so the drift takes about 80% of it; a cost that is
-the shape's own (a tree dearer than the model says) shows up as such whenever other shapes run.
+where the tree was 6% better. The filter replaces a moving average per shape beside a drift
+that took about 80% of every surprise: under a shared CPU's noise that split kept a shape's
+error from its warm-up steps (20% in a served run) for the rest of a run, since an exploring
+step of that shape mostly moved the drift, which the running shape's steps then moved back.
 """
 
 from __future__ import annotations
@@ -52,17 +64,24 @@ if TYPE_CHECKING:
 # policy divides by step time.
 MIN_STEP_MS = 0.01
 
-# How many measured steps the step-time model's own prediction counts for in a shape's
-# correction. A plain moving average started at 0 moves by ``residual_decay`` (0.05) per step:
-# on the CPU, a refitted model predicting a tree at 27 ms that measured 281 ms still predicted it
-# at 69 ms after ten runs of it (164 ms with this prior). With 4, one step moves a correction 21%
-# of the way (a single noisy step cannot swing it), ten steps 77%, twenty 90%.
-PRIOR_STEPS = 4.0
-
-# The drift's gain per step, as a multiple of ``residual_decay`` (capped at 1): faster than a
-# shape's own part, so that the drift, not the running shape's part, takes most of a change
-# the running shape sees (4: about 80%), yet averaging a few steps' noise (0.2 at 0.05).
+# The drift's gain per step while one shape runs, as a multiple of ``residual_decay`` (at most
+# ``MAX_DRIFT_GAIN``): fast enough to follow the machine, slow enough to average a few steps'
+# noise (0.2 at the default 0.05).
 DRIFT_GAIN_RATIO = 4.0
+MAX_DRIFT_GAIN = 0.9
+# Variances, in log step time. The drift at the start: unknown (the default model is a GPU's
+# costs; on a CPU it is ten times off). A shape's part at the start: within about 20% of the
+# step-time model's view of the shape.
+DRIFT_PRIOR_VAR = 4.0
+PART_PRIOR_VAR = 0.04
+# A part's walk per step, in noise variances: after a thousand steps without running, a shape's
+# standing is as uncertain as one step of it.
+PART_WALK = 0.001
+# The step noise's variance before it is measured, how fast its estimate follows the surprises,
+# and its floor (a machine without noise still leaves a step a little to say).
+NOISE_PRIOR_VAR = 0.01
+NOISE_RATE = 0.02
+NOISE_FLOOR_VAR = 1e-4
 
 
 class CostModel(Protocol):
@@ -152,68 +171,84 @@ def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 class ResidualCorrection:
-    """Per-shape shrunk EMAs of ``log(measured / predicted)`` and a drift common to all
-    shapes; see the module docstring."""
+    """A Kalman filter over ``log(measured / predicted)``: the drift common to every shape and
+    one part per shape; see the module docstring."""
 
-    def __init__(self, decay: float, prior_steps: float = PRIOR_STEPS) -> None:
+    def __init__(self, decay: float) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"residual decay must be in (0, 1], got {decay}")
-        if prior_steps < 0:
-            raise ValueError(f"prior steps must be >= 0, got {prior_steps}")
         self.decay = decay
-        self.drift_gain = min(1.0, DRIFT_GAIN_RATIO * decay)
-        self.prior_steps = prior_steps
-        self._drift = 0.0  # log factor common to every shape
-        self._sum: dict[TreeShape, float] = {}  # EMA of decay * (log ratio - drift), from 0
-        self._log: dict[TreeShape, float] = {}  # the shape's part: _sum over the weights
+        gain = min(MAX_DRIFT_GAIN, DRIFT_GAIN_RATIO * decay)
+        # The walk whose steady gain, for one shape running, is ``gain`` (in noise variances).
+        self.drift_walk = gain * gain / (1.0 - gain)
+        self._x = np.zeros(1)  # [1 + shapes] drift, then each shape's part
+        self._cov = np.full((1, 1), DRIFT_PRIOR_VAR)  # [1 + shapes, 1 + shapes]
+        self._noise_var = NOISE_PRIOR_VAR
+        self._position: dict[TreeShape, int] = {}  # a shape's index in ``_x``
         self._measured: dict[TreeShape, int] = {}
-        # The factors of the last shape tuple asked for, kept up to date in place: the policy
-        # asks for the same candidate tuple every step.
+        # The factors of the last shape tuple asked for, kept up to date: the policy asks for
+        # the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
-        self._cached_index: dict[TreeShape, int] = {}
-        self._cached_parts = np.ones(0)  # [shapes] exp(shape's part)
+        self._cached_at = np.zeros(0, dtype=np.int64)  # [shapes] positions
         self._cached_factors = np.ones(0)  # [shapes] exp(drift + shape's part)
 
+    def _at(self, shape: TreeShape) -> int:
+        i = self._position.get(shape)
+        if i is None:
+            n = len(self._x)
+            self._x = np.append(self._x, 0.0)
+            cov = np.zeros((n + 1, n + 1))
+            cov[:n, :n] = self._cov
+            cov[n, n] = PART_PRIOR_VAR
+            self._cov = cov
+            i = self._position[shape] = n
+        return i
+
     def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
-        # Scalar arithmetic: this runs on every step, in the scheduler's thread.
         ratio = math.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
-        d = self.decay
-        n = self._measured.get(shape, 0)
-        total = self._sum.get(shape, 0.0)
-        drift = self._drift
-        kept = (1.0 - d) ** n  # weight the moving average still gives its zero start
-        if n:
-            # The shape's own average (unshrunk): what this step says beyond it is drift.
-            drift += self.drift_gain * (ratio - drift - total / (1.0 - kept))
-            self._drift = drift
-        total = (1.0 - d) * total + d * (ratio - drift)
-        n += 1
-        old = kept * (1.0 - d)  # the same weight after this step
-        part = total / (1.0 - old + self.prior_steps * d * old)
-        self._sum[shape] = total
-        self._log[shape] = part
-        self._measured[shape] = n
-        i = self._cached_index.get(shape)
-        if i is not None:
-            self._cached_parts[i] = math.exp(part)
+        i = self._at(shape)
+        x, cov, noise = self._x, self._cov, self._noise_var
+        n = len(x)
+        # Time passes: the drift and every part walk.
+        cov[0, 0] += self.drift_walk * noise
+        cov.flat[n + 1 :: n + 1] += PART_WALK * noise
+        # The step measures drift + part i.
+        row = cov[0] + cov[i]  # [n] covariance of every state with the measured sum
+        spread = row[0] + row[i]  # the sum's own variance
+        surprise = ratio - x[0] - x[i]
+        gain = row / (spread + noise)  # [n]
+        x += gain * surprise
+        cov -= np.outer(gain, row)
+        if self._measured.get(shape, 0):
+            # What the surprise says beyond the state's uncertainty is the step's noise. A
+            # shape's first step is left out: it is mostly what the model got wrong about it.
+            self._noise_var = (1.0 - NOISE_RATE) * noise + NOISE_RATE * max(
+                surprise * surprise - spread, NOISE_FLOOR_VAR
+            )
+        self._measured[shape] = self._measured.get(shape, 0) + 1
         if self._cached_shapes is not None:
-            np.multiply(self._cached_parts, math.exp(drift), out=self._cached_factors)
+            np.exp(x[0] + x[self._cached_at], out=self._cached_factors)
 
     @property
     def drift_factor(self) -> float:
         """The multiplicative correction common to every shape."""
-        return math.exp(self._drift)
+        return math.exp(self._x[0])
+
+    @property
+    def noise(self) -> float:
+        """The estimated standard deviation of one step's log time about its prediction."""
+        return math.sqrt(self._noise_var)
 
     def factor(self, shape: TreeShape) -> float:
-        return math.exp(self._drift + self._log.get(shape, 0.0))
+        i = self._position.get(shape)
+        return math.exp(self._x[0] + (self._x[i] if i is not None else 0.0))
 
     def factors(self, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` multiplicative corrections."""
         if shapes is not self._cached_shapes:
             self._cached_shapes = shapes
-            self._cached_index = {s: i for i, s in enumerate(shapes)}
-            self._cached_parts = np.exp([self._log.get(s, 0.0) for s in shapes])
-            self._cached_factors = self._cached_parts * math.exp(self._drift)
+            self._cached_at = np.array([self._at(s) for s in shapes], dtype=np.int64)
+            self._cached_factors = np.exp(self._x[0] + self._x[self._cached_at])
         return self._cached_factors
 
     def measured(self, shape: TreeShape) -> int:
@@ -309,8 +344,8 @@ class OnlineCostModel:
         # thread beside the scheduler's). Against the step-time model itself, not the table,
         # which interpolates the same model.
         raw = self.step_time.predict_matrix(x)  # [rows]
-        # In order, a row at a time: the drift links every shape's rows (4096 rows take a
-        # few ms).
+        # In order, a row at a time: the drift links every shape's rows (4096 rows take
+        # tens of ms).
         update = self.residual.update
         times = np.asarray(measured_ms, dtype=np.float64).tolist()
         for shape, ms, predicted in zip(shapes, times, raw.tolist(), strict=True):
