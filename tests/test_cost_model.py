@@ -6,7 +6,6 @@ from synthetic import sample_steps
 
 from sglang_adatree.core.cost_model import (
     MIN_STEP_MS,
-    NOISE_PRIOR_VAR,
     AnalyticStepTime,
     OnlineCostModel,
     ResidualCorrection,
@@ -67,14 +66,12 @@ def test_the_first_steps_set_the_drift_and_later_ones_a_shapes_own_part():
     assert model.predict_ms(f, shape) == pytest.approx(2 * raw, rel=1e-3)
     # Another shape at the model's own price: it is that shape that is cheaper than the drift
     # says, not the machine that got faster, since the first shape keeps costing twice.
-    for _ in range(20):
+    for _ in range(60):
         model.observe(f, other, raw_other)
         model.observe(f, shape, 2 * raw)
-    assert model.predict_ms(f, other) == pytest.approx(raw_other, rel=0.02)
+    assert model.predict_ms(f, other) == pytest.approx(raw_other, rel=0.03)
     assert model.predict_ms(f, shape) == pytest.approx(2 * raw, rel=0.02)
-    assert model.residual.measured(shape) == 41 and model.residual.measured(other) == 20
-    # Steps without noise: its estimate falls from where it started.
-    assert model.residual.noise < 0.6 * math.sqrt(NOISE_PRIOR_VAR)
+    assert model.residual.measured(shape) == 81 and model.residual.measured(other) == 60
 
 
 def test_an_exploring_step_corrects_the_shape_it_measures_not_the_drift():
@@ -98,7 +95,6 @@ def test_an_exploring_step_corrects_the_shape_it_measures_not_the_drift():
             model.observe(f, running, truth[running] * math.exp(rng.normal(0, 0.15)))
     assert model.predict_ms(f, rare) == pytest.approx(truth[rare], rel=0.06)
     assert model.predict_ms(f, running) == pytest.approx(before, rel=0.1)
-    assert model.residual.noise == pytest.approx(0.15, rel=0.25)
 
 
 CHAIN, TREE = TreeShape(1, 1, 2), TreeShape(2, 2, 4)

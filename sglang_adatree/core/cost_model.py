@@ -18,21 +18,20 @@ that shape's part, plus the step's own noise, and splits what it says between th
 proportion to how little each is known:
 
 * at the start the drift is unknown (the default model may be a GPU's costs on a CPU, ten times
-  off) and a part is known to be near the model's view of the shape (a standard deviation of
-  ``sqrt(PART_PRIOR_VAR)``), so the first steps set the drift;
-* between steps the drift walks (the machine changes: a variance of ``drift_walk`` noise
-  variances a step, set so that while one shape runs its surprises move the drift by about
-  ``DRIFT_GAIN_RATIO * residual_decay`` of themselves, as the drift of the machine needs) and
-  every part walks far slower (``PART_WALK``), so a shape's standing against the others goes
+  off) and a shape's part is near the model's view of the shape (which counts as
+  ``PRIOR_STEPS`` of the shape's steps), so the first steps set the drift;
+* between steps the drift walks (the machine changes; the walk is set so that while one shape
+  runs, a step moves the drift by about ``DRIFT_GAIN_RATIO * residual_decay`` of its surprise)
+  and every part walks far slower (``PART_WALK``), so a shape's standing against the others goes
   stale slowly while it does not run;
 * a shape that runs pins the sum of the drift and its own part, but not how they split; a step
   of another shape, measured rarely, then mostly corrects that other shape's part (its variance
   is the larger), not the drift, so a shape priced wrong by a few noisy steps is put right by
   the next few steps it runs, while the running shape's prediction does not move.
 
-The step's noise variance is estimated online from the surprises (``NOISE_RATE``): on the
-2-core CPU a step's log time strays by about 0.17 from one step to the next (docs/lab.md), on a
-GPU by a few hundredths, and how far a single step may move an estimate follows from it.
+Every variance is in units of one step's noise, which then drops out of every gain: a step
+moves the estimates as far on the 2-core CPU, whose steps stray by 17% (docs/lab.md), as on a
+GPU, whose steps stray by a few percent.
 
 The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
 only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
@@ -69,19 +68,16 @@ MIN_STEP_MS = 0.01
 # noise (0.2 at the default 0.05).
 DRIFT_GAIN_RATIO = 4.0
 MAX_DRIFT_GAIN = 0.9
-# Variances, in log step time. The drift at the start: unknown (the default model is a GPU's
-# costs; on a CPU it is ten times off). A shape's part at the start: within about 20% of the
-# step-time model's view of the shape.
-DRIFT_PRIOR_VAR = 4.0
-PART_PRIOR_VAR = 0.04
-# A part's walk per step, in noise variances: after a thousand steps without running, a shape's
-# standing is as uncertain as one step of it.
+# The filter's variances are in units of one step's noise (its variance, which then drops out of
+# every gain: how far one step may move an estimate is the same on a CPU whose steps stray by
+# 17% and on a GPU whose steps stray by 3%). The step-time model's view of a shape is worth
+# ``PRIOR_STEPS`` of its steps; the drift at the start is unknown (the default model is a GPU's
+# costs, ten times off on a CPU).
+PRIOR_STEPS = 4.0
+DRIFT_PRIOR = 1.0e4
+# A part's walk per step: after a thousand steps without running, a shape's standing is as
+# uncertain as one step of it.
 PART_WALK = 0.001
-# The step noise's variance before it is measured, how fast its estimate follows the surprises,
-# and its floor (a machine without noise still leaves a step a little to say).
-NOISE_PRIOR_VAR = 0.01
-NOISE_RATE = 0.02
-NOISE_FLOOR_VAR = 1e-4
 
 
 class CostModel(Protocol):
@@ -179,11 +175,10 @@ class ResidualCorrection:
             raise ValueError(f"residual decay must be in (0, 1], got {decay}")
         self.decay = decay
         gain = min(MAX_DRIFT_GAIN, DRIFT_GAIN_RATIO * decay)
-        # The walk whose steady gain, for one shape running, is ``gain`` (in noise variances).
+        # The walk whose steady gain, for one shape running, is ``gain``.
         self.drift_walk = gain * gain / (1.0 - gain)
         self._x = np.zeros(1)  # [1 + shapes] drift, then each shape's part
-        self._cov = np.full((1, 1), DRIFT_PRIOR_VAR)  # [1 + shapes, 1 + shapes]
-        self._noise_var = NOISE_PRIOR_VAR
+        self._cov = np.full((1, 1), DRIFT_PRIOR)  # [1 + shapes, 1 + shapes] in noise units
         self._position: dict[TreeShape, int] = {}  # a shape's index in ``_x``
         self._measured: dict[TreeShape, int] = {}
         # The factors of the last shape tuple asked for, kept up to date: the policy asks for
@@ -199,7 +194,7 @@ class ResidualCorrection:
             self._x = np.append(self._x, 0.0)
             cov = np.zeros((n + 1, n + 1))
             cov[:n, :n] = self._cov
-            cov[n, n] = PART_PRIOR_VAR
+            cov[n, n] = 1.0 / PRIOR_STEPS
             self._cov = cov
             i = self._position[shape] = n
         return i
@@ -207,24 +202,16 @@ class ResidualCorrection:
     def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
         ratio = math.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
         i = self._at(shape)
-        x, cov, noise = self._x, self._cov, self._noise_var
+        x, cov = self._x, self._cov
         n = len(x)
         # Time passes: the drift and every part walk.
-        cov[0, 0] += self.drift_walk * noise
-        cov.flat[n + 1 :: n + 1] += PART_WALK * noise
-        # The step measures drift + part i.
+        cov[0, 0] += self.drift_walk
+        cov.flat[n + 1 :: n + 1] += PART_WALK
+        # The step measures drift + part i, and its own noise (variance 1).
         row = cov[0] + cov[i]  # [n] covariance of every state with the measured sum
-        spread = row[0] + row[i]  # the sum's own variance
-        surprise = ratio - x[0] - x[i]
-        gain = row / (spread + noise)  # [n]
-        x += gain * surprise
+        gain = row / (row[0] + row[i] + 1.0)  # [n]
+        x += gain * (ratio - x[0] - x[i])
         cov -= np.outer(gain, row)
-        if self._measured.get(shape, 0):
-            # What the surprise says beyond the state's uncertainty is the step's noise. A
-            # shape's first step is left out: it is mostly what the model got wrong about it.
-            self._noise_var = (1.0 - NOISE_RATE) * noise + NOISE_RATE * max(
-                surprise * surprise - spread, NOISE_FLOOR_VAR
-            )
         self._measured[shape] = self._measured.get(shape, 0) + 1
         if self._cached_shapes is not None:
             np.exp(x[0] + x[self._cached_at], out=self._cached_factors)
@@ -233,11 +220,6 @@ class ResidualCorrection:
     def drift_factor(self) -> float:
         """The multiplicative correction common to every shape."""
         return math.exp(self._x[0])
-
-    @property
-    def noise(self) -> float:
-        """The estimated standard deviation of one step's log time about its prediction."""
-        return math.sqrt(self._noise_var)
 
     def factor(self, shape: TreeShape) -> float:
         i = self._position.get(shape)
