@@ -102,7 +102,8 @@ class MeasuredSteps:
 
     @property
     def fitted(self) -> bool:
-        """Whether a refit (forced or due) has run."""
+        """Whether a refit has run on measured steps (a forced one before any is not
+        counted: it had nothing to fit)."""
         return self._last_refit_total > 0
 
     def refit_due(self) -> bool:
