@@ -78,7 +78,7 @@ def main() -> int:
         new_tokens=args.new_tokens,
         work_dir=Path(tempfile.mkdtemp(prefix="adatree-allocators-")),
     )
-    samples = run_paired(plan)
+    samples = run_paired(plan).samples
     print("\n".join(table_lines(summarize([(c.name, c.name) for c in configs], samples))))
     tpot = {(s.prompt, s.configuration): s.tpot_ms for s in samples if s.error is None}
     for config in base:

@@ -1,7 +1,8 @@
 """``adatree compare`` end to end on tiny models: three real SGLang servers side by side (plain
 decoding, SGLang's STANDALONE worker at 3,1,4 and adatree pinned to 3,1,4 through a pin in its
 own telemetry database), the prompts sent to each in turn; the answers must be identical and
-the pinned server must have run the pinned shape on every step."""
+the pinned server must have run the pinned shape on every step; SGLang's stage clock is read
+from each server."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
         "--max-total-tokens", "4096",
         "--work-dir", str(work),
         "--out", str(out),
+        "--stage-clock",
         "--quiet",
     ]  # fmt: skip
     marker = f"ADATREE_COMPARE_TEST={tmp_path}"
@@ -69,6 +71,14 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
         assert s["identical"] == s["compared"] == 3 and s["errors"] == 0 and s["prompts"] == 3
         assert s["tpot_ratio"] > 0 and s["accept_len"] >= 1.0
     assert "TPOT / ar" in done.stdout and "adatree@3,1,4" in done.stdout
+    # SGLang's stage clock of every server over the prompts: the forward is the largest
+    # stage, and every stage was read as a cost per generated token.
+    clocks = result["stage_clock_ms_per_token"]
+    assert list(clocks) == names
+    for ms in clocks.values():
+        assert next(iter(ms)) == "run_batch" and ms["run_batch"] > 0
+        assert "idle" not in ms and all(v >= 0 for v in ms.values())
+    assert "stage clock, ms/token" in done.stdout
 
     # The pinned server read its pin from its own database and ran 3,1,4 on every step.
     with session_scope(f"sqlite:///{work / 'telemetry-adatree@3,1,4.sqlite'}") as session:

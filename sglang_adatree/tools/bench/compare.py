@@ -44,6 +44,22 @@ from sglang_adatree.tools.bench.servers import ServerError
 from sglang_adatree.tools.bench.workloads import WORKLOAD_NAMES, load_workload
 
 DEFAULT_POLICIES = "ar,adatree"
+METRICS_FLAG = "--enable-metrics"
+STAGE_COLUMNS = 3  # the reference's largest stages get a column each; the rest are summed
+
+
+def stage_lines(stage_ms: dict[str, dict[str, float]]) -> list[str]:
+    """The stage clock as a table: ms per generated token, the reference's ``STAGE_COLUMNS``
+    largest stages, the others summed, and the total."""
+    first = next(iter(stage_ms.values()))
+    shown = list(first)[:STAGE_COLUMNS]
+    head = f"{'stage clock, ms/token':<24}" + "".join(f"{s:>24}" for s in shown)
+    lines = [head + f"{'other stages':>14}{'total':>9}", "-" * (len(head) + 23)]
+    for name, ms in stage_ms.items():
+        other = sum(v for k, v in ms.items() if k not in shown)
+        cells = "".join(f"{ms.get(s, 0.0):>24.2f}" for s in shown)
+        lines.append(f"{name:<24}{cells}{other:>14.2f}{sum(ms.values()):>9.2f}")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +91,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per server")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to every server's command line, once per --server-arg "
+        "(e.g. --server-arg=--enable-metrics)",
+    )
+    p.add_argument(
+        "--stage-clock",
+        action="store_true",
+        help="serve with --enable-metrics and report SGLang's scheduler stage clock per "
+        "configuration: ms per generated token by stage, over the prompts",
+    )
     p.add_argument("--work-dir", type=Path, help="server logs and telemetry databases")
     p.add_argument("--out", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -94,11 +124,14 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
         raise SystemExit(f"adatree compare: {exc}") from None
     if len(configs) < 2:
         raise SystemExit("adatree compare: --policies needs at least two configurations")
+    extra = tuple(args.server_arg)
+    if args.stage_clock and METRICS_FLAG not in extra:
+        extra += (METRICS_FLAG,)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="adatree-compare-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     return PairedPlan(
         models=models,
-        settings=ServerSettings(args.device, args.max_total_tokens, args.threads),
+        settings=ServerSettings(args.device, args.max_total_tokens, args.threads, extra),
         configurations=tuple(configs),
         workload=workload,
         new_tokens=args.new_tokens,
@@ -107,6 +140,7 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
         chat_template=not args.no_chat_template,
+        stage_clock=args.stage_clock,
     )
 
 
@@ -116,10 +150,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     started, load_before = time.time(), machine_load()
     try:
-        samples = run_paired(plan, progress=not args.quiet)
+        paired = run_paired(plan, progress=not args.quiet)
     except ServerError as exc:
         print(f"adatree compare: {exc}", file=sys.stderr)
         return 1
+    samples = paired.samples
     names = [(c.name, c.label(plan.models)) for c in plan.configurations]
     summaries = summarize(names, samples)
     load = (load_before + machine_load()) / 2.0
@@ -130,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         f"order reversed every prompt; TPOT / {summaries[0].name}: median of per-prompt ratios "
         f"(< 1: faster). Machine load {load:.2f}; {minutes:.1f} min; logs in {plan.work_dir}"
     )
+    if paired.stage_ms:
+        print("\n" + "\n".join(stage_lines(paired.stage_ms)))
     if args.out:
         args.out.write_text(
             json.dumps(
@@ -141,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                     "machine_load_1m": round(load, 2),
                     "minutes": round(minutes, 1),
                     "summary": [asdict(s) for s in summaries],
+                    "stage_clock_ms_per_token": paired.stage_ms,
                     "samples": [asdict(s) for s in samples],
                 },
                 indent=1,

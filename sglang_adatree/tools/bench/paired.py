@@ -42,7 +42,8 @@ from sglang_adatree.tools.bench.client import stream_generate
 from sglang_adatree.tools.bench.configurations import Configuration, Models, ServerSettings
 from sglang_adatree.tools.bench.databases import database_url, prepare_database
 from sglang_adatree.tools.bench.runner import ChatFormatter, warm_up
-from sglang_adatree.tools.bench.servers import Server, free_port, running_server
+from sglang_adatree.tools.bench.servers import Server, ServerError, free_port, running_server
+from sglang_adatree.tools.bench.stage_clock import StageClock, ms_per_token, read_stage_clock
 from sglang_adatree.tools.bench.workloads import WARMUP_PROMPTS, Workload
 
 
@@ -60,6 +61,9 @@ class PairedPlan:
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 1800.0
     chat_template: bool = True
+    # Read each server's stage clock (``stage_clock``) before the first prompt and after the
+    # last; the servers must run with --enable-metrics.
+    stage_clock: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,11 +201,23 @@ def table_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
     return lines
 
 
-def run_paired(plan: PairedPlan, progress: bool = True) -> list[Sample]:
+@dataclass(frozen=True)
+class PairedRun:
+    """What one paired run measured."""
+
+    samples: list[Sample]
+    # Per configuration, SGLang's stage clock over the prompts, ms per generated token by
+    # stage (``stage_clock.ms_per_token``); empty unless the plan asked for it.
+    stage_ms: dict[str, dict[str, float]]
+
+
+def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
     """Start every configuration's server, warm each up, then send the prompts in turn.
 
-    Raises ``ServerError`` when a server does not start or its warm-up fails; every server is
-    stopped on every way out, Ctrl-C included.
+    Raises ``ServerError`` when a server does not start, its warm-up fails or (with
+    ``plan.stage_clock``) its stage clock cannot be read before the prompts; every server is
+    stopped on every way out, Ctrl-C included. A stage clock that cannot be read after the
+    prompts is left out of the result, with a message.
     """
     fmt = ChatFormatter(plan.models.target, plan.chat_template)
     texts = [fmt(p) for p in plan.workload.prompts]
@@ -234,6 +250,13 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> list[Sample]:
             )
             servers[config.name] = server
         session = stack.enter_context(requests.Session())
+        before: dict[str, StageClock] = {}
+        if plan.stage_clock:
+            for name, server in servers.items():
+                try:
+                    before[name] = read_stage_clock(session, server.url)
+                except (requests.RequestException, ValueError) as exc:
+                    raise ServerError(f"{name}: cannot read its stage clock: {exc}") from exc
         bar = stack.enter_context(
             tqdm(
                 total=len(texts) * len(names),
@@ -247,7 +270,13 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> list[Sample]:
             for name in request_order(i, names):
                 samples.append(_one(session, servers[name].url, name, i, text, plan))
                 bar.update(1)
-    return samples
+        stage_ms: dict[str, dict[str, float]] = {}
+        for name, start in before.items():
+            try:
+                stage_ms[name] = ms_per_token(start, read_stage_clock(session, servers[name].url))
+            except (requests.RequestException, ValueError) as exc:
+                print(f"adatree compare: {name}: no stage clock: {exc}", file=sys.stderr)
+    return PairedRun(samples, stage_ms)
 
 
 def _one(
