@@ -83,7 +83,8 @@ def replay(
         shape = TreeShape(row.steps, row.topk, row.num_draft_tokens)
         predicted = model.predict_ms_many(features, shapes)  # [shapes] ms
         # The step after a catch-up runs the decision the catch-up held back, priced on the
-        # catch-up's features (``controller.StepController.begin``).
+        # catch-up's features, unless its batch changed (``controller.StepController.begin``;
+        # telemetry does not say which, so such a step reads off in the summary).
         decided = held if held is not None else predicted
         held = predicted.copy() if row.decision_source == "catch-up" else None
         refit = False

@@ -8,6 +8,11 @@ speculative step's draft, verify and adatree's decision included), ``process_bat
 ``sglang:generation_tokens_total``. Two readings around a measurement give each stage's
 milliseconds per generated token; two servers fed the same prompts then show which stage one
 of them spends more in, which a request's latency cannot.
+
+The scheduler adds its stage times to the counter about once a second, while it runs: a reading
+can miss up to the last second of stages before it (the generated tokens are counted as requests
+finish), so a figure over a few minutes of a server's work is good to about 1%, one over a few
+seconds is not.
 """
 
 from __future__ import annotations
