@@ -17,17 +17,15 @@ seconds is not.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 STAGE_SERIES = "sglang:scheduler_stage_seconds_total"
 TOKENS_SERIES = "sglang:generation_tokens_total"
 IDLE = "idle"  # waiting for requests: not a cost of the tokens
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_CATEGORY = re.compile(r'category="([^"]*)"')
 
 
 @dataclass(frozen=True)
@@ -41,23 +39,18 @@ class StageClock:
 
 def parse_stage_clock(text: str) -> StageClock:
     """The stage clock in a Prometheus text exposition; raises ``ValueError`` when the server
-    exports no stage series (started without ``--enable-metrics``)."""
+    exports no stage series (started without ``--enable-metrics``) or the text does not parse."""
     seconds: dict[str, float] = {}
     tokens = 0.0
     found = False
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        if name == STAGE_SERIES:
-            category = _CATEGORY.search(labels or "")
-            if category is not None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == STAGE_SERIES and "category" in sample.labels:
                 found = True
-                stage = category.group(1)
-                seconds[stage] = seconds.get(stage, 0.0) + float(value)
-        elif name == TOKENS_SERIES:
-            tokens += float(value)
+                stage = sample.labels["category"]
+                seconds[stage] = seconds.get(stage, 0.0) + sample.value
+            elif sample.name == TOKENS_SERIES:
+                tokens += sample.value
     if not found:
         raise ValueError(f"no {STAGE_SERIES} series (is the server started with --enable-metrics?)")
     return StageClock(seconds, tokens)
