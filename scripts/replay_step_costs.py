@@ -36,7 +36,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sglang_adatree.config import AdaTreeConfig, ConfigError
 from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel
 from sglang_adatree.core.features import NO_GRAPHS, StepFeatures
-from sglang_adatree.core.policy import teaches_cost_model
+from sglang_adatree.core.policy import DecisionSource, teaches_cost_model
 from sglang_adatree.core.refit import MeasuredSteps
 from sglang_adatree.core.shapes import ShapeError, TreeShape
 from sglang_adatree.telemetry.models import Run, Step
@@ -86,7 +86,7 @@ def replay(
         # catch-up's features, unless its batch changed (``controller.StepController.begin``;
         # telemetry does not say which, so such a step reads off in the summary).
         decided = held if held is not None else predicted
-        held = predicted.copy() if row.decision_source == "catch-up" else None
+        held = predicted.copy() if row.decision_source == DecisionSource.CATCH_UP else None
         refit = False
         if teaches_cost_model(row.decision_source, row.measured_step_ms):
             model.observe(features, shape, row.measured_step_ms)
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = [
         abs(r.replayed_ms - r.logged_ms) / r.logged_ms
         for r in replayed
-        if r.logged_ms and r.source != "catch-up"
+        if r.logged_ms and r.source != DecisionSource.CATCH_UP
     ]
     if errors:
         print(
