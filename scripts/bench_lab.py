@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from sglang_adatree.config import AdaTreeConfig  # noqa: E402
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES  # noqa: E402
-from sglang_adatree.lab.profiles import TableProfile  # noqa: E402
+from sglang_adatree.core.step_profile import TableProfile  # noqa: E402
 from sglang_adatree.lab.simulator import (  # noqa: E402
     Arrivals,
     SimConfig,

@@ -1,8 +1,9 @@
 """Replay a served run's step-time side: what the cost model believed of every shape, step by step.
 
 Telemetry keeps only the chosen shape's predicted step time. This script rebuilds the cost side
-of the run's step controller from the run's own steps: the default analytic model, its residual
-correction (``cost_model.ResidualCorrection``) fed every step that teaches a cost model
+of the run's step controller from the run's own steps: the default analytic model (or the
+run's ``step_time_profile``, which is never refitted), its residual correction
+(``cost_model.ResidualCorrection``) fed every step that teaches a cost model
 (``policy.teaches_cost_model``), and the analytic refits on the refit schedule of
 ``refit.MeasuredSteps``. At each step it prints the corrected prediction of the watched shapes
 at that step's features, beside the prediction the server logged for the shape it ran, so a
@@ -39,6 +40,7 @@ from sglang_adatree.core.features import NO_GRAPHS, StepFeatures
 from sglang_adatree.core.policy import DecisionSource, teaches_cost_model
 from sglang_adatree.core.refit import MeasuredSteps
 from sglang_adatree.core.shapes import ShapeError, TreeShape
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.telemetry.models import Run, Step
 from sglang_adatree.telemetry.store import display_url, session_scope
 
@@ -67,7 +69,11 @@ def replay(
     ran = (TreeShape(r.steps, r.topk, r.num_draft_tokens) for r in rows)
     shapes = tuple(dict.fromkeys((*candidates, *watched, *ran)))
     measured = MeasuredSteps(candidates, config.residual_decay, NO_GRAPHS)
-    model = OnlineCostModel(AnalyticStepTime(), config.residual_decay)
+    profile = None
+    if config.step_time_profile:
+        # The server priced by the deployment's profile and never refitted it.
+        profile = load_profile_step_time(config.step_time_profile, shapes)
+    model = OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay)
     held: np.ndarray | None = None  # [shapes] ms, as of a catch-up step
     for row in rows:
         if row.policy_version is not None:
@@ -91,7 +97,7 @@ def replay(
         if teaches_cost_model(row.decision_source, row.measured_step_ms):
             model.observe(features, shape, row.measured_step_ms)
             measured.add(features, shape, row.measured_step_ms)
-            fitted = measured.refit()
+            fitted = measured.refit() if profile is None else None
             if fitted is not None:
                 model, refit = fitted, True
         yield ReplayedStep(
@@ -113,6 +119,7 @@ def run_config(run: Run) -> AdaTreeConfig:
     return AdaTreeConfig().replace(
         candidate_shapes=stored.get("candidate_shapes", AdaTreeConfig().candidate_shapes),
         residual_decay=stored.get("residual_decay", AdaTreeConfig().residual_decay),
+        step_time_profile=stored.get("step_time_profile"),
     )
 
 
@@ -139,7 +146,10 @@ def _read_and_replay(
         rows = session.scalars(
             select(Step).where(Step.run_id == run.id).order_by(Step.step_index)
         ).all()
-        return run.id, list(replay(rows, config, watched))
+        try:
+            return run.id, list(replay(rows, config, watched))
+        except ValueError as exc:  # the run's step-time profile, unreadable here
+            p.error(f"run {run.id}: {exc}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

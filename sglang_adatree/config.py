@@ -212,6 +212,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 < v <= 1.0,
     ),
     Setting(
+        "step_time_profile",
+        None,
+        "a profile JSON, or empty",
+        "price the candidates by this deployment's step-time profile (`adatree profile "
+        "--shapes candidates --profile-out FILE`) instead of an analytic model refitted on the "
+        "server's own steps",
+        _optional_str,
+    ),
+    Setting(
         "skip_idle_draft_extend",
         True,
         "true / false",
@@ -299,6 +308,7 @@ class AdaTreeConfig:
     request_prior_steps: float = DEFAULTS["request_prior_steps"]
     request_keep: float = DEFAULTS["request_keep"]
     residual_decay: float = DEFAULTS["residual_decay"]
+    step_time_profile: str | None = DEFAULTS["step_time_profile"]
     skip_idle_draft_extend: bool = DEFAULTS["skip_idle_draft_extend"]
     db_url: str | None = DEFAULTS["db_url"]
     home: str | None = DEFAULTS["home"]

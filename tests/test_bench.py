@@ -181,6 +181,21 @@ def test_adatree_with_its_own_candidates_or_a_pin():
         parse_configurations(["adatree:0"], "eagle", DEFAULT_CANDIDATES)  # nothing speculates
 
 
+def test_adatree_priced_by_a_profile_names_it(tmp_path):
+    ada, profiled = parse_configurations(
+        ["adatree", "adatree+profile"], "eagle", DEFAULT_CANDIDATES, "/p/cpu.json"
+    )
+    m = models(Path("/m"), "eagle")
+    assert profiled.candidate_shapes == ada.candidate_shapes and profiled.decides
+    assert profiled.label(m) == "adatree+profile (adatree serve, step times from /p/cpu.json)"
+    assert flag(profiled.command(m, ServerSettings(), 1, None), "--step-time-profile") == (
+        "/p/cpu.json"
+    )
+    assert "--step-time-profile" not in ada.command(m, ServerSettings(), 1, None)
+    with pytest.raises(ValueError, match="--step-time-profile FILE"):
+        parse_configurations(["adatree+profile"], "eagle", DEFAULT_CANDIDATES)
+
+
 def test_commands_as_a_user_would_run_them(tmp_path):
     m, s = models(tmp_path), ServerSettings(max_total_tokens=4096, threads=2)
     ar, static, default, adaptive, turbo, ada = parse_configurations(

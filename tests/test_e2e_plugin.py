@@ -8,7 +8,8 @@
 * speculation right after a step without speculation drafts from a caught-up draft;
 * a pin written to the store is obeyed within a second, and clearing it hands control back;
 * sampling (temperature 0.8) completes with well-formed output;
-* bad input is refused at start-up with a message, before any model is loaded.
+* bad input (a candidate set, a draft, a flag, a database, a step-time profile) is refused at
+  start-up with a message, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import sys
 import time
 
+import numpy as np
 import pytest
 import requests
 from sglang_servers import (
@@ -31,6 +33,8 @@ from test_grafana_dashboard import DASHBOARD, metric_names
 from test_grafana_dashboard import queries as dashboard_queries
 
 from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.shapes import parse_candidates
+from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.telemetry.models import PinRow, Run, Step
 from sglang_adatree.telemetry.store import get_engine, upgrade
 
@@ -264,6 +268,7 @@ def test_run_row_recorded(adatree, db_url):
         ("other_vocabulary", "vocabulary has 1024 tokens"),
         ("unsupported_flag", "--speculative-adaptive is not supported"),
         ("database", "cannot be opened"),
+        ("profile", "has no step times for the candidate shapes 2,2,4"),
     ],
 )
 def test_bad_input_refused_at_startup(case, message, tiny_models, db_url, tmp_path):
@@ -278,6 +283,14 @@ def test_bad_input_refused_at_startup(case, message, tiny_models, db_url, tmp_pa
         extra = ["--speculative-adaptive"]
     elif case == "database":
         env["ADATREE_DB_URL"] = "postgresql://adatree@127.0.0.1:1/none"
+    elif case == "profile":
+        # A profile of no speculation and one chain cannot price the trees.
+        shapes = parse_candidates("0;3,1,4")
+        ms = np.full((len(shapes), 1, 1), 10.0)
+        path = tmp_path / "profile.json"
+        TableProfile("cpu", "measured", "a test", shapes, (1,), (64,), ms).save(path)
+        env["ADATREE_CANDIDATE_SHAPES"] = "0;3,1,4;2,2,4"
+        env["ADATREE_STEP_TIME_PROFILE"] = str(path)
     command = [
         sys.executable,
         "-m",

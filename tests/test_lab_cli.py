@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from sglang_adatree import cli
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES
+from sglang_adatree.lab import sources
 from sglang_adatree.lab.hardware import analytic_gpu_profile
 from sglang_adatree.lab.scenarios import all_scenarios
 
@@ -91,3 +93,49 @@ def test_a_file_that_is_not_a_profile_is_refused(tmp_path, capsys):
     args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet", "--profile"]
     assert cli.main([*args, str(tmp_path / "rows.json")]) == 2
     assert "not a step-time profile" in capsys.readouterr().err
+
+
+def test_a_profiled_start_prices_adatree_by_the_profile(tmp_path, monkeypatch):
+    """``--profiled-start 0.3``: adatree starts from the scenario's own profile, each shape
+    30% off; a configured ``step_time_profile`` of that same profile gives the same run, as
+    a server would. (At 0 error the H100's roofline is what the online refit learns anyway.)"""
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet", "--no-decompose"]
+    paths = {name: tmp_path / f"{name}.json" for name in ("refit", "profiled", "configured")}
+    assert cli.main([*args, "--out", str(paths["refit"])]) == 0
+    assert cli.main([*args, "--profiled-start", "0.3", "--out", str(paths["profiled"])]) == 0
+    scenario = all_scenarios()["smoke-h100-c1"]
+    profile = sources.load_profile(scenario.profile, scenario.candidates)
+    sources.profiled_start(profile, 0.3, scenario.sim.seed).save(tmp_path / "deployment.json")
+    monkeypatch.setenv("ADATREE_STEP_TIME_PROFILE", str(tmp_path / "deployment.json"))
+    assert cli.main([*args, "--out", str(paths["configured"])]) == 0
+    rows = {
+        name: {r["policy"]: r for r in json.loads(path.read_text())} for name, path in paths.items()
+    }
+
+    def charged(row: dict) -> dict:
+        return {k: v for k, v in row.items() if k != "profile"}
+
+    for policy in ("ar", "static:3,1,4", "oracle-static"):  # the profile prices, not charges
+        assert charged(rows["profiled"][policy]) == charged(rows["refit"][policy])
+    assert rows["profiled"]["ar"]["profile"].endswith(
+        "priced by h100-sxm-llama8b-eagle, profiled (30% a shape)"
+    )
+    profiled, configured = rows["profiled"]["adatree"], rows["configured"]["adatree"]
+    assert profiled["goodput_tok_s"] == pytest.approx(configured["goodput_tok_s"], rel=1e-6)
+    assert profiled["shape_shares"] == configured["shape_shares"]
+    assert profiled["goodput_tok_s"] != rows["refit"]["adatree"]["goodput_tok_s"]
+    # Both at once is a mistake, said as such.
+    assert cli.main([*args, "--profiled-start", "0.03"]) == 2
+
+
+def test_a_profiled_start_is_off_by_one_seeded_factor_a_shape():
+    h100 = analytic_gpu_profile("h100-sxm", DEFAULT_CANDIDATES)
+    a = sources.profiled_start(h100, 0.05, seed=3)
+    ratio = a.ms / h100.ms  # [shapes, batch_sizes, context_lens]
+    per_shape = ratio[:, :1, :1]
+    np.testing.assert_allclose(ratio, np.broadcast_to(per_shape, ratio.shape), rtol=1e-12)
+    assert len(set(np.round(per_shape.ravel(), 9))) == len(h100.shapes)
+    np.testing.assert_array_equal(sources.profiled_start(h100, 0.05, seed=3).ms, a.ms)
+    assert not np.array_equal(sources.profiled_start(h100, 0.05, seed=4).ms, a.ms)
+    with pytest.raises(sources.SourceError, match="in \\[0, 1\\]"):
+        sources.profiled_start(h100, -0.1, seed=3)

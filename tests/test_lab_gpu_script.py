@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
-from sglang_adatree.lab.profiles import TableProfile
+from sglang_adatree.core.step_profile import TableProfile
 
 REPO = Path(__file__).resolve().parent.parent
 

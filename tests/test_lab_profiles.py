@@ -14,6 +14,7 @@ from synthetic_runs import SURFACE, synthetic_run
 
 from sglang_adatree.core.features import NO_GRAPHS, StepFeatures, feature_matrix
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.lab.hardware import GPUS, analytic_gpu_profile, implied_speedup
 from sglang_adatree.lab.measured import profile_from_served_steps, profile_from_telemetry
 from sglang_adatree.lab.passes import (
@@ -22,7 +23,6 @@ from sglang_adatree.lab.passes import (
     compose_step_ms,
     step_passes,
 )
-from sglang_adatree.lab.profiles import TableProfile
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.models import Step
 

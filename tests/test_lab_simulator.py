@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
-from sglang_adatree.lab.profiles import TableProfile
+from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
 from sglang_adatree.lab.simulator import (
     PREFILL_TOKENS_PER_STEP,

@@ -17,7 +17,8 @@ from synthetic import sample_path_stats
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
-from sglang_adatree.core.shapes import TreeShape
+from sglang_adatree.core.shapes import TreeShape, parse_candidates
+from sglang_adatree.core.step_profile import TableProfile, load_profile_step_time
 from sglang_adatree.telemetry.models import Run, Step
 from sglang_adatree.telemetry.records import RunRecord
 from sglang_adatree.telemetry.sink import TelemetrySink
@@ -39,11 +40,11 @@ def _script():
     return module
 
 
-def _served_run(url: str, open_writer, steps: int) -> None:
+def _served_run(url: str, open_writer, steps: int, profile: str | None = None) -> None:
     """``steps`` decode steps of a step controller at concurrency 1 with noisy step times,
     recorded through the telemetry writer; refits on the step they fall due, as the replay
-    runs them."""
-    config = AdaTreeConfig().replace(candidate_shapes=SHAPES)
+    runs them; priced by the step-time profile at ``profile`` when one is given."""
+    config = AdaTreeConfig().replace(candidate_shapes=SHAPES, step_time_profile=profile)
     writer = open_writer(url)
     run_id = writer.start_run(
         RunRecord(
@@ -57,7 +58,8 @@ def _served_run(url: str, open_writer, steps: int) -> None:
             rank=0,
         )
     )
-    controller = StepController(config, sinks=[TelemetrySink(writer, run_id)])
+    model = load_profile_step_time(profile, config.candidate_shapes) if profile else None
+    controller = StepController(config, sinks=[TelemetrySink(writer, run_id)], profile=model)
     rng = np.random.default_rng(0)
     context = 100
     for _ in range(steps):
@@ -102,6 +104,30 @@ def test_the_replay_predicts_what_the_server_logged(sqlite_url, open_writer, cap
     lines = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(line.split()[0]) for line in lines] == list(range(6))
     assert "median error 0.00%" in out
+
+
+def test_a_run_priced_by_a_profile_is_replayed_from_it(sqlite_url, open_writer, tmp_path):
+    shapes = parse_candidates(SHAPES + ";2,1,3")  # a watched shape the run never ran
+    ms = np.array([[[60.0 + 15.0 * i + 0.01 * c for c in (64, 512)]] for i in range(len(shapes))])
+    table = TableProfile("cpu", "measured", "a test", shapes, (1,), (64, 512), ms)
+    path = tmp_path / "cpu.json"
+    table.save(path)
+    _served_run(sqlite_url, open_writer, steps=120, profile=str(path))
+    module = _script()
+    watched = (TreeShape(2, 1, 3),)
+    with session_scope(sqlite_url) as session:
+        run = session.scalars(select(Run)).one()
+        rows = session.scalars(select(Step).order_by(Step.step_index)).all()
+        config = module.run_config(run)
+        replayed = list(module.replay(rows, config, watched))
+        assert len(replayed) == 120 and not any(r.refit_after for r in replayed)
+        for r in replayed:
+            if r.source != "catch-up":
+                assert r.replayed_ms == _approx(r.logged_ms), r
+        # A profile that cannot price a watched shape stops the replay with the reason.
+        table.restricted([s for s in shapes if s not in watched]).save(path)
+        with pytest.raises(ValueError, match="no step times for the candidate shapes 2,1,3"):
+            list(module.replay(rows, config, watched))
 
 
 def test_bad_arguments_are_refused_with_a_message(sqlite_url, tmp_path, capsys):

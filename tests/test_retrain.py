@@ -13,9 +13,10 @@ from sqlalchemy import select, update
 
 from sglang_adatree.core.features import FEATURE_NAMES
 from sglang_adatree.core.xgb_cost import XGBoostStepTime
+from sglang_adatree.lab.measured import profile_from_telemetry
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.control import read_control_state
-from sglang_adatree.telemetry.models import AuditLog, Policy, RetrainJob
+from sglang_adatree.telemetry.models import AuditLog, Policy, RetrainJob, Run
 from sglang_adatree.tools import retrain
 
 pytest_plugins = ["admin_fixtures"]
@@ -187,3 +188,27 @@ def test_retrain_form_and_its_refusals(operator, db_url):
     assert job["status"] == "refused" and job["force"] is True
     assert "too few recorded steps to retrain: 200" in job["error"]
     assert "too few recorded steps" in operator.get("/retrain").text
+
+
+def test_a_run_priced_by_a_profile_is_judged_against_that_profile(db_url, tmp_path):
+    run_id = seed_run(db_url, 3000, seed=7)
+    path = tmp_path / "deployment.json"
+    # The deployment's profile, built from its own recorded steps.
+    profile_from_telemetry(db_url).save(path)
+    with store.session_scope(db_url) as s:
+        run = s.get_one(Run, run_id)
+        run.config = {**run.config, "step_time_profile": str(path)}
+    weak = run_once(db_url, num_rounds=1)
+    baseline = weak.metrics["baseline"]
+    assert baseline["model"] == f"the step-time profile {path}" and baseline["version"] is None
+    assert baseline["mape"] < 0.1  # per-shape medians of the same surface
+    assert not weak.activated
+    assert (
+        weak.metrics["decision"] == f"not activated: not better than the step-time profile {path}"
+    )
+    # A profile that cannot be read here: judged against the refitted analytic model, said so.
+    path.unlink()
+    again = run_once(db_url, num_rounds=1)
+    assert again.metrics["baseline"]["model"].startswith(
+        f"the refitted analytic model (the step-time profile {path} does not serve here"
+    )

@@ -17,7 +17,8 @@ telemetry writer, the Prometheus series); the controller imports neither.
 
 Operator control and new cost models arrive as ``ControlUpdate`` values through ``apply`` (any
 thread), and take effect at the next ``begin``: a step boundary. The first analytic refit is the
-controller's own (``_first_refit``); the later ones come from the control poller.
+controller's own (``_first_refit``); the later ones come from the control poller. A controller
+given the deployment's step-time profile prices by it instead and never refits (``refit``).
 
 Draft catch-up: with ``skip_idle_draft_extend`` a step without speculation skips the draft's
 extend, so the draft of every request in that batch is one token behind and its next draft
@@ -156,6 +157,7 @@ class ModelSource(StrEnum):
 
     POLICY = "policy"  # a trained policy version an operator (or retrain) activated
     REFIT = "refit"  # the analytic model refitted on this server's measured steps
+    PROFILE = "profile"  # the deployment's step-time profile, corrected by the measured steps
 
 
 @dataclass(frozen=True)
@@ -229,13 +231,17 @@ class StepController:
         padding: GraphPadding = NO_GRAPHS,
         max_batch_size: int = 256,
         sinks: Sequence[StepSink] = (),
+        profile: StepTimeModel | None = None,
     ) -> None:
         self.config = config
         self.candidate_shapes: tuple[TreeShape, ...] = tuple(config.candidate_shapes)
         self.padding = padding
+        # The deployment's step-time profile (``step_profile.ProfileStepTime``), or None: the
+        # analytic model, refitted on this server's steps.
+        self.profile = profile
         self.policy = make_policy(
             config,
-            OnlineCostModel(AnalyticStepTime(), config.residual_decay),
+            OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay),
             AcceptanceEstimator.from_config(config),
         )
         self.measured = MeasuredSteps(
@@ -248,8 +254,8 @@ class StepController:
         self._draft_behind: frozenset[str] = frozenset()
         self._counters = _Counters()
         # False: every refit waits for a caller of ``refit`` (a driver whose cost model must
-        # not be replaced, as the lab's with the true step times).
-        self.runs_first_refit = True
+        # not be replaced, as the lab's with the true step times). A profile is never refitted.
+        self.runs_first_refit = profile is None
 
     # -- the decode loop ------------------------------------------------------------------
 
@@ -355,7 +361,18 @@ class StepController:
 
     def refit(self, force: bool = False) -> ControlUpdate | None:
         """The analytic model refitted on the measured steps, as an update, when due
-        (``refit.MeasuredSteps``); the caller applies it."""
+        (``refit.MeasuredSteps``); the caller applies it.
+
+        With a profile there is nothing to refit: a fit of this server's own steps would price
+        each shape it seldom runs by its few steps, where the profile measured it. ``force``
+        (the rollback from a trained version) then hands back the profile, with the measured
+        steps' corrections replayed."""
+        if self.profile is not None:
+            if not force:
+                return None
+            return ControlUpdate(
+                cost_model=self.measured.replayed(self.profile), model_source=ModelSource.PROFILE
+            )
         cost_model = self.measured.refit(force)
         if cost_model is None:
             return None

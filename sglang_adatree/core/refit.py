@@ -145,6 +145,13 @@ class MeasuredSteps:
         cost_model.replay(x, shapes, y)
         return cost_model
 
+    def replayed(self, step_time: StepTimeModel) -> OnlineCostModel:
+        """``step_time`` (a deployment's profile) with the measured steps' corrections
+        replayed; no table, no fit."""
+        cost_model = OnlineCostModel(step_time, self.residual_decay)
+        cost_model.replay(*self.matrix())
+        return cost_model
+
     def tabulate(self, step_time: StepTimeModel) -> OnlineCostModel:
         """``step_time`` (a trained version) tabulated over the candidates, with the measured
         steps' corrections replayed; seconds for an XGBoost model, so off the decode loop."""

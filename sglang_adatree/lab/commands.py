@@ -6,13 +6,18 @@
     adatree simulate --scenario models-cpu-eagle-mtbench-c1 --prompts my.jsonl
     adatree simulate --scenario load-h100-c16 --profile-from-db postgresql://...
     adatree simulate --grid validation --profile h100-sxm | --profile my-profile.json
+    adatree simulate --grid default --profiled-start 0.03
 
 ``--prompts FILE.jsonl`` replays the scenario with exact traces of that prompt file under the
 scenario's bundled draft (built once, cached). ``--profile-from-db URL`` charges the step times a
 deployment recorded in its telemetry database instead of the scenario's profile; ``--profile``
 charges another named profile's, or a profile file's (``adatree profile --profile-out`` writes
 one). The policies are the serving loop's own code, configured like a server (``ADATREE_*``
-environment and config file) except the candidate shapes, which are the scenario's.
+environment and config file) except the candidate shapes, which are the scenario's; a
+configured ``step_time_profile`` prices them as it would a server's. ``--profiled-start ERROR``
+starts them from the scenario's own profile instead, each shape off by a seeded log-normal
+``ERROR`` and the whole 15% slow (``sources.profiled_start``): what a profile sweep of the
+deployment would give a server.
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from sglang_adatree.config import ConfigError, load_config
+from sglang_adatree.config import AdaTreeConfig, ConfigError, load_config
+from sglang_adatree.core.step_profile import (
+    ProfileStepTime,
+    StepTimeProfile,
+    load_profile_step_time,
+)
 from sglang_adatree.lab import report, sources
 from sglang_adatree.lab.runner import run_scenario
 from sglang_adatree.lab.scenarios import GRIDS, Scenario, all_scenarios
@@ -48,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         metavar="NAME|FILE",
         help="another step-time profile: a name (cpu-2core, h100-sxm, ...) or a profile JSON file",
+    )
+    parser.add_argument(
+        "--profiled-start",
+        type=float,
+        metavar="ERROR",
+        help="the adaptive policies start from the scenario's own profile, each shape off by a "
+        "seeded log-normal ERROR (e.g. 0.03), as a server with step_time_profile does",
     )
     parser.add_argument("--seed", type=int, default=None, help="override the scenarios' seed")
     parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
@@ -83,6 +100,20 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
+def _profiled(
+    args: argparse.Namespace, config: AdaTreeConfig, profile: StepTimeProfile, s: Scenario
+) -> ProfileStepTime | None:
+    """The step-time profile the controller starts from: the scenario's own, perturbed
+    (``--profiled-start``), or the configured ``step_time_profile`` as a server reads it."""
+    if args.profiled_start is not None:
+        if config.step_time_profile:
+            raise SourceError("--profiled-start and step_time_profile: choose one")
+        return ProfileStepTime(sources.profiled_start(profile, args.profiled_start, s.sim.seed))
+    if config.step_time_profile:
+        return load_profile_step_time(config.step_time_profile, s.candidates)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         for s in all_scenarios().values():
@@ -105,15 +136,23 @@ def run(args: argparse.Namespace) -> int:
                 num_prompts=s.sim.num_requests,
             )
             profile = sources.load_profile(s.profile, s.candidates)
+            profiled = _profiled(args, config, profile, s)
             result = run_scenario(
-                traces, profile, s.sim, config, s.candidates, decompose=not args.no_decompose
+                traces,
+                profile,
+                s.sim,
+                config,
+                s.candidates,
+                decompose=not args.no_decompose,
+                profiled=profiled,
             )
             replayed.append(
                 report.Replayed(
                     s,
                     traces.label,
                     traces.kind,
-                    f"{profile.name} ({profile.source})",
+                    f"{profile.name} ({profile.source})"
+                    + (f"; priced by {profiled.profile.name}" if profiled else ""),
                     result,
                 )
             )

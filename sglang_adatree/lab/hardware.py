@@ -76,13 +76,13 @@ from dataclasses import dataclass
 from sglang_adatree import __version__
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.lab.passes import (
     SPEC_CAPTURE_SIZES,
     SPEC_GRAPH_PADDING,
     StepOverheads,
     tabulate,
 )
-from sglang_adatree.lab.profiles import TableProfile
 
 
 @dataclass(frozen=True)

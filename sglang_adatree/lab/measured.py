@@ -40,7 +40,7 @@ from sglang_adatree.core.cost_model import MIN_STEP_MS, AnalyticStepTime
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, build_feature_matrix
 from sglang_adatree.core.policy import teaches_cost_model
 from sglang_adatree.core.shapes import TreeShape
-from sglang_adatree.lab.profiles import TableProfile
+from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.telemetry.learning import learnable
 from sglang_adatree.telemetry.models import Step
 from sglang_adatree.telemetry.store import check_schema_at_head, display_url, get_engine

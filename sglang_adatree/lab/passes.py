@@ -36,7 +36,7 @@ import numpy as np
 
 from sglang_adatree.core.features import GraphPadding
 from sglang_adatree.core.shapes import TreeShape
-from sglang_adatree.lab.profiles import TableProfile
+from sglang_adatree.core.step_profile import TableProfile
 
 # SGLang 0.5.23's decode capture sizes when speculating
 # (``arg_groups/cuda_graph_hook.generate_decode_cuda_graph_batch_sizes``), up to 256: less

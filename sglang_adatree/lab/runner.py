@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
-from sglang_adatree.lab.profiles import StepTimeProfile
+from sglang_adatree.core.step_profile import StepTimeProfile
 from sglang_adatree.lab.simulator import (
     ControllerChooser,
     RunResult,
@@ -113,7 +114,10 @@ class _TruthStepTime:
 
 
 def _variant(
-    config: AdaTreeConfig, traces: TraceSet, replaced: Sequence[str]
+    config: AdaTreeConfig,
+    traces: TraceSet,
+    replaced: Sequence[str],
+    profiled: StepTimeModel | None = None,
 ) -> Callable[[Any, Callable[[], float]], Any]:
     """A chooser factory for adatree with the estimates in ``replaced`` set to the truth."""
     if "exploration" in replaced:
@@ -138,7 +142,7 @@ def _variant(
         if "switching" in replaced:
             chooser.charge_catch_up = False
 
-    return controller_chooser_factory(config, traces, configure)
+    return controller_chooser_factory(config, traces, configure, profiled)
 
 
 def run_scenario(
@@ -150,8 +154,11 @@ def run_scenario(
     policies: Sequence[str] = (),
     decompose: bool = True,
     timelines: Sequence[str] = ("adatree", "per-step-oracle"),
+    profiled: StepTimeModel | None = None,
 ) -> ScenarioResult:
-    """Run every policy (``policies`` empty: all of them) on one scenario."""
+    """Run every policy (``policies`` empty: all of them) on one scenario; with ``profiled``
+    (a deployment's step-time profile, ``step_profile.ProfileStepTime``) the policies that run
+    the step controller start from it, as a server with ``step_time_profile`` does."""
     candidates = tuple(candidates)
     config = config.replace(candidate_shapes=candidates, record_steps=False)
     runs: dict[str, RunResult] = {}
@@ -171,14 +178,15 @@ def run_scenario(
     for name in CONTROLLER_POLICIES:
         if policies and name not in policies:
             continue
-        run(name, controller_chooser_factory(config.replace(policy=name), traces), sim)
+        make = controller_chooser_factory(config.replace(policy=name), traces, profile=profiled)
+        run(name, make, sim)
     decomposition: dict[str, float] = {}
     if decompose and "adatree" in runs:
         oracle = runs["per-step-oracle"].goodput_tok_s
         previous = runs["adatree"].goodput_tok_s
         for i, cause in enumerate(DECOMPOSITION):
             variant = f"adatree+{'+'.join(DECOMPOSITION[: i + 1])}"
-            run(variant, _variant(config, traces, DECOMPOSITION[: i + 1]), sim)
+            run(variant, _variant(config, traces, DECOMPOSITION[: i + 1], profiled), sim)
             now = runs[variant].goodput_tok_s
             decomposition[cause] = (now - previous) / oracle if oracle > 0 else math.nan
             previous = now

@@ -40,10 +40,11 @@ import numpy as np
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
+from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.policy import DecisionSource
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
-from sglang_adatree.lab.profiles import StepTimeProfile
+from sglang_adatree.core.step_profile import StepTimeProfile
 from sglang_adatree.lab.traces import RequestTrace, TraceSet
 
 CHAIN_1 = TreeShape(1, 1, 2)
@@ -508,13 +509,16 @@ def controller_chooser_factory(
     config: AdaTreeConfig,
     traces: TraceSet,
     configure: Callable[[ControllerChooser, _Machine], None] | None = None,
+    profile: StepTimeModel | None = None,
 ) -> Callable[[_Machine, Callable[[], float]], Chooser]:
-    """A ``make_chooser`` that builds a fresh controller for ``config``; ``configure`` may
-    replace its estimates (the decomposition's truth variants)."""
+    """A ``make_chooser`` that builds a fresh controller for ``config``, priced by the
+    deployment's step-time ``profile`` when one is given (``StepController``); ``configure``
+    may replace its estimates (the decomposition's truth variants)."""
 
     def make(machine: _Machine, clock: Callable[[], float]) -> Chooser:
         padding = _padding(machine.profile)
-        chooser = ControllerChooser(StepController(config, padding=padding), traces, clock)
+        controller = StepController(config, padding=padding, profile=profile)
+        chooser = ControllerChooser(controller, traces, clock)
         if configure is not None:
             configure(chooser, machine)
         return chooser

@@ -12,8 +12,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from sglang_adatree.core.shapes import TreeShape
-from sglang_adatree.lab.profiles import StepTimeProfile, TableProfile
+from sglang_adatree.core.step_profile import StepTimeProfile, TableProfile
 from sglang_adatree.lab.scenarios import (
     DATA_DIR,
     PARAMETRIC_PAIRS,
@@ -164,3 +166,32 @@ def scenario_key(scenario: Scenario) -> str:
         "shapes": [str(s) for s in scenario.candidates],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# A profiled start's profile was made at another time than the run it prices: the whole
+# profile is this much slower than the run's machine (the residual correction's drift, common to
+# every shape, takes it up in the first steps).
+PROFILED_LEVEL = 1.15
+
+
+def profiled_start(profile: StepTimeProfile, sigma: float, seed: int) -> TableProfile:
+    """``profile`` as a profile sweep of the deployment would have measured it: each shape's
+    step times off by its own log-normal factor of ``sigma`` (drawn from ``seed``), all of them
+    by ``PROFILED_LEVEL``. What a server started with ``step_time_profile`` would be given."""
+    if not isinstance(profile, TableProfile):
+        raise SourceError(f"profile {profile.name}: a profiled start needs a tabulated profile")
+    if not 0.0 <= sigma <= 1.0:
+        raise SourceError(f"a profiled start's error must be in [0, 1], got {sigma}")
+    rng = np.random.default_rng(_seed(f"profiled-start:{profile.name}:{seed}"))
+    error = np.exp(rng.normal(0.0, sigma, len(profile.shapes)))  # [shapes]
+    return TableProfile(
+        f"{profile.name}, profiled ({sigma:.0%} a shape)",
+        profile.source,
+        profile.made_by,
+        profile.shapes,
+        profile.batch_sizes,
+        profile.context_lens,
+        profile.ms * error[:, None, None] * PROFILED_LEVEL,
+        profile.padding,
+        profile.notes,
+    )

@@ -1,9 +1,9 @@
 """``adatree serve``: adatree's own options, then SGLang's launcher with everything else.
 
 adatree's options become the environment every SGLang process inherits (``ADATREE_CONFIG``,
-``ADATREE_DB_URL``, ``ADATREE_CANDIDATE_SHAPES``); every other argument goes to
-``python -m sglang.launch_server`` unchanged, so SGLang's flags keep their meaning. The
-launcher replaces this process (``exec``), so signals reach SGLang directly.
+``ADATREE_DB_URL``, ``ADATREE_CANDIDATE_SHAPES``, ``ADATREE_STEP_TIME_PROFILE``); every other
+argument goes to ``python -m sglang.launch_server`` unchanged, so SGLang's flags keep their
+meaning. The launcher replaces this process (``exec``), so signals reach SGLang directly.
 
 On ``--device cpu`` it also supplies the settings SGLang needs there, unless given:
 ``--disable-cuda-graph``, ``--sleep-on-idle`` (an idle scheduler busy-polls a core otherwise),
@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sglang_adatree.config import ConfigError, load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         "--candidate-shapes",
         help="candidate shapes, e.g. '0;3,1,4;5,4,8' (ADATREE_CANDIDATE_SHAPES)",
     )
+    parser.add_argument(
+        "--step-time-profile",
+        help="price the candidates by this deployment's step-time profile, as `adatree profile "
+        "--shapes candidates --profile-out FILE` writes it (ADATREE_STEP_TIME_PROFILE)",
+    )
     parser.add_argument("--adatree-help", action="help", help="show adatree's options")
     return parser
 
@@ -76,6 +82,8 @@ def build_command(argv: Sequence[str], env: dict[str, str]) -> list[str]:
         env["ADATREE_CONFIG"] = ours.adatree_config
     if ours.db:
         env["ADATREE_DB_URL"] = ours.db
+    if ours.step_time_profile:
+        env["ADATREE_STEP_TIME_PROFILE"] = str(Path(ours.step_time_profile).expanduser().resolve())
     if ours.candidate_shapes:
         try:
             parse_candidates(ours.candidate_shapes)

@@ -21,6 +21,7 @@ import sglang_adatree
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.controller import StepController, StepSink
 from sglang_adatree.core.features import GraphPadding
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.telemetry.poller import ControlPoller
 from sglang_adatree.telemetry.records import RunRecord
 
@@ -109,19 +110,24 @@ def create_serving_loop(
         sinks.append(metrics)
         if writer is not None:
             health = TelemetryHealthSampler(metrics, writer.stats)
+    profile = None
+    if config.step_time_profile:
+        profile = load_profile_step_time(config.step_time_profile, config.candidate_shapes)
     controller = StepController(
         config,
         padding=padding,
         max_batch_size=get_schedule().max_running_requests or 256,
         sinks=sinks,
+        profile=profile,
     )
     poller = ControlPoller(controller, config.resolved_db_url, config.control_poll_s)
     loop = ServingLoop(controller, run_id, writer, poller, health)
     atexit.register(loop.close)
     logger.info(
-        "adatree: %d candidate shapes, CUDA-graph batch sizes %s, telemetry %s",
+        "adatree: %d candidate shapes, CUDA-graph batch sizes %s, telemetry %s, step times %s",
         len(controller.candidate_shapes),
         list(padding.capture_sizes) or "none",
         f"run {run_id}" if run_id is not None else "off",
+        f"from {config.step_time_profile}" if profile else "refitted on this server's steps",
     )
     return loop

@@ -18,6 +18,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 
 from sglang_adatree.config import AdaTreeConfig, ConfigError, load_config
 from sglang_adatree.core.shapes import Envelope, envelope
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.drafts import draft_kind_of
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,11 @@ def validate_server_args(server_args: Any) -> None:
         config = adatree_config()
     except ConfigError as exc:
         raise AdaTreeArgsError(f"adatree configuration: {exc}") from None
+    if config.step_time_profile:
+        try:
+            load_profile_step_time(config.step_time_profile, config.candidate_shapes)
+        except ValueError as exc:
+            raise AdaTreeArgsError(str(exc)) from None
     kind = detect_draft_kind(draft_path)
     _check_vocabulary(server_args.model_path, draft_path, kind)
     if config.record_steps:

@@ -47,6 +47,7 @@ from sglang_adatree.tools.bench.configurations import CPU_SERVER_FLAGS
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
 STEP_LOG = "steps.jsonl"  # the shapes' server's step log, in the work dir
+CANDIDATES = "candidates"  # --shapes: the configured candidate shapes
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="mtbench", help="prompt set or JSONL file")
     parser.add_argument("--requests", type=int, default=6, help="requests per measurement")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request")
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes to profile, 'S,K,N;...'")
+    parser.add_argument(
+        "--shapes",
+        default=DEFAULT_SHAPES,
+        help="shapes to profile, 'S,K,N;...', or 'candidates': the configured candidate shapes "
+        "(a profile a server's step_time_profile can price them all by)",
+    )
     parser.add_argument(
         "--baseline",
         action="store_true",
@@ -288,7 +294,10 @@ def run(args: argparse.Namespace) -> int:
     from sglang_adatree.models.paths import ModelPaths
     from sglang_adatree.tools.bench.workloads import load_workload
 
-    paths = ModelPaths(load_config().home_dir)
+    config = load_config()
+    paths = ModelPaths(config.home_dir)
+    if args.shapes == CANDIDATES:
+        args.shapes = ";".join(str(s) for s in config.candidate_shapes)
     target = Path(args.target) if args.target else paths.target_dir
     bundled = {"eagle": paths.eagle_dir, "standalone": paths.standalone_dir}
     draft = bundled.get(args.draft or "eagle") or Path(args.draft)

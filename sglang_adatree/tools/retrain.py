@@ -11,7 +11,8 @@ One job, from the dashboard's Retrain button (on a background thread) or ``adatr
 3. fit ``xgb_cost.fit_xgboost`` on the rest;
 4. measure the new model and the model the server uses now on the same held-out steps: the
    active policy version, or, when none is active (or its artifact no longer loads), the
-   analytic model refitted on the training steps as the server refits it
+   step-time profile the run priced by (``step_time_profile``, at the level of the training
+   steps) or else the analytic model refitted on the training steps as the server refits it
    (``core.refit``); the error of the predictions the server recorded for those steps is
    reported beside them;
 5. store the new version in ``policies`` (artifact bytes, metrics of both, the decision) and
@@ -34,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sglang_adatree.config import ConfigError, load_config
 from sglang_adatree.core.cost_model import AnalyticStepTime, StepTimeModel, mape
 from sglang_adatree.core.features import FEATURE_NAMES, build_feature_matrix
+from sglang_adatree.core.step_profile import ProfileStepTime, TableProfile
 from sglang_adatree.core.xgb_cost import DEFAULT_ROUNDS, ArtifactError, XGBoostStepTime, fit_xgboost
 from sglang_adatree.telemetry import control
 from sglang_adatree.telemetry.learning import learnable
@@ -159,19 +162,55 @@ def evaluate(model: StepTimeModel, data: TrainingSet) -> dict[str, float]:
     }
 
 
-def served_model(conn: Connection, train: TrainingSet) -> tuple[int | None, StepTimeModel, str]:
+class _AtLevel:
+    """A step-time model scaled by one factor: a profile at the level of the steps it is
+    judged on, as the server's drift correction puts it."""
+
+    def __init__(self, model: StepTimeModel, factor: float) -> None:
+        self.model, self.factor = model, factor
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray:
+        return self.model.predict_matrix(x) * self.factor
+
+
+def served_model(
+    conn: Connection,
+    train: TrainingSet,
+    run_id: int | None = None,
+    judged: TrainingSet | None = None,
+) -> tuple[int | None, StepTimeModel, str]:
     """(active version, the step-time model the server uses, a label): the active version's
-    model, else (none active, or its artifact does not load: the server keeps the refitted
-    analytic model then) the analytic model refitted on ``train`` as the server refits it."""
+    model, else (none active, or its artifact does not load) the run's ``step_time_profile``
+    when it priced by one (the newest run's when ``run_id`` is None; at the training steps'
+    median level; only if it prices every step of ``train`` and ``judged``), else the analytic
+    model refitted on ``train`` as the server refits it."""
     active = control.active_policy(conn)
-    refitted = "the refitted analytic model"
+    note = ""
     if active is not None:
         try:
             return active.version, XGBoostStepTime.from_bytes(active.artifact), f"v{active.version}"
         except ArtifactError as exc:
-            refitted += f" (v{active.version} does not load: {exc})"
+            note = f" (v{active.version} does not load: {exc})"
     version = None if active is None else active.version
-    return version, AnalyticStepTime.fit(train.x, train.measured_ms), refitted
+    query = select(Run.config).order_by(Run.id.desc()).limit(1)
+    if run_id is not None:
+        query = select(Run.config).where(Run.id == run_id)
+    path = (conn.execute(query).scalar() or {}).get("step_time_profile")
+    if path:
+        try:
+            profile = ProfileStepTime(TableProfile.load(Path(path)))
+            level = float(np.median(train.measured_ms / profile.predict_matrix(train.x)))
+            if judged is not None:
+                profile.predict_matrix(judged.x)  # a shape it lacks is refused here
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            note += f" (the step-time profile {path} does not serve here: {exc})"
+        else:
+            return version, _AtLevel(profile, level), f"the step-time profile {path}{note}"
+    return (
+        version,
+        AnalyticStepTime.fit(train.x, train.measured_ms),
+        f"the refitted analytic model{note}",
+    )
 
 
 def served_predictions(data: TrainingSet) -> dict[str, float] | None:
@@ -304,7 +343,7 @@ def _train(
     )
     progress(0.8, "validating against the current version")
     with engine.connect() as conn:
-        base_version, base_model, base_label = served_model(conn, train)
+        base_version, base_model, base_label = served_model(conn, train, options.run_id, holdout)
     new = evaluate(model, holdout)
     base = evaluate(base_model, holdout)
     better = new["mape"] < base["mape"]

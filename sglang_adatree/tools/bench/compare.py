@@ -25,6 +25,7 @@ from pathlib import Path
 
 from sglang_adatree.config import load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.commands import (
     add_model_arguments,
@@ -70,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_POLICIES,
         help="comma list, the first is the reference: ar, static:S,K,N, static:default, "
         "sglang-adaptive, turbospec, adatree, adatree:SHAPES (its own candidates), "
-        f"adatree@S,K,N (pinned) (default {DEFAULT_POLICIES})",
+        f"adatree@S,K,N (pinned), adatree+profile (--step-time-profile) "
+        f"(default {DEFAULT_POLICIES})",
     )
     p.add_argument(
         "--candidate-shapes", help="adatree's candidates (default: the package's candidate set)"
@@ -80,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mtbench",
         help=f"one prompt set ({', '.join(WORKLOAD_NAMES)}) or a JSONL file with a 'prompt' "
         "field (default mtbench)",
+    )
+    p.add_argument(
+        "--step-time-profile",
+        type=Path,
+        metavar="FILE",
+        help="the step-time profile adatree+profile prices by (`adatree profile --shapes "
+        "candidates --profile-out FILE`)",
     )
     p.add_argument("--num-requests", type=int, default=12, help="prompts, each sent to all")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per answer, EOS ignored")
@@ -117,7 +126,13 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
     try:
         candidates = parse_candidates(args.candidate_shapes) if args.candidate_shapes else None
         candidates = candidates or load_config().candidate_shapes
-        configs = parse_configurations(split_items(args.policies), models.draft_kind, candidates)
+        profile = None
+        if args.step_time_profile is not None:
+            profile = str(args.step_time_profile.expanduser().resolve())
+            load_profile_step_time(profile, candidates)  # refused here, not at server start
+        configs = parse_configurations(
+            split_items(args.policies), models.draft_kind, candidates, profile
+        )
         workload = load_workload(args.prompts, args.num_requests, args.seed)
         allocator.chosen_allocator(os.environ)
     except (ShapeError, ValueError, FileNotFoundError) as exc:

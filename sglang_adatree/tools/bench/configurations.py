@@ -18,6 +18,9 @@ other; only the speculative flags (and, under ``adatree serve``, the decision ru
   candidates (at least one speculative, as for any candidate set); a single shape runs on
   every step (``adatree:2,2,4`` against ``static:2,2,4``: adatree's machinery against
   SGLang's for the same shape).
+* ``adatree+profile``: ``adatree serve`` with the candidate shapes given, priced by a step-time
+  profile of the deployment (``--step-time-profile FILE``, as ``adatree profile --shapes
+  candidates --profile-out FILE`` writes it) instead of a model refitted on its own steps.
 * ``adatree@S,K,N``: ``adatree serve`` with the candidate shapes given, pinned to ``S,K,N`` for
   every batch size as an operator pins one from the dashboard (a pin in the server's own
   telemetry database, ``bench.databases``): adatree's step for that shape inside its whole
@@ -98,6 +101,7 @@ class Configuration:
     policy: str | None = None  # ADATREE_POLICY under adatree serve
     candidate_shapes: tuple[TreeShape, ...] = ()  # under adatree serve
     pin: TreeShape | None = None  # under adatree serve: pinned for every batch size
+    step_time_profile: str | None = None  # under adatree serve: the profile it prices by
 
     @property
     def is_static(self) -> bool:
@@ -128,6 +132,8 @@ class Configuration:
                 return f"{self.name} (adatree serve, pinned to {self.pin})"
             if self.name == "adatree":
                 return "adatree"
+            if self.step_time_profile is not None:
+                return f"{self.name} (adatree serve, step times from {self.step_time_profile})"
             shapes = "; ".join(str(s) for s in self.candidate_shapes)
             return f"{self.name} (adatree serve, candidates {shapes})"
         return f"{self.policy} ({REIMPLEMENTED})"
@@ -162,6 +168,8 @@ class Configuration:
             serve = [str(Path(sys.executable).parent / "adatree"), "serve"]
             if db_url:
                 serve += ["--db", db_url]
+            if self.step_time_profile is not None:
+                serve += ["--step-time-profile", self.step_time_profile]
             return [*serve, "--candidate-shapes", shapes, *common, *draft, *settings.extra_args]
         launch = [sys.executable, "-m", "sglang.launch_server", *common]
         if settings.device == "cpu":
@@ -203,9 +211,13 @@ def chains_of(candidates: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
 
 
 def parse_configuration(
-    text: str, draft_kind: str, candidates: Sequence[TreeShape]
+    text: str,
+    draft_kind: str,
+    candidates: Sequence[TreeShape],
+    step_time_profile: str | None = None,
 ) -> list[Configuration]:
-    """One ``--policies`` item; ``static:sweep`` expands to ``DEFAULT_SWEEP``."""
+    """One ``--policies`` item; ``static:sweep`` expands to ``DEFAULT_SWEEP``;
+    ``adatree+profile`` needs ``step_time_profile``."""
     name = text.strip().lower()
     if name == "ar":
         return [Configuration("ar", "ar")]
@@ -227,6 +239,21 @@ def parse_configuration(
         return [
             Configuration(
                 "adatree", "adatree-serve", policy="adatree", candidate_shapes=tuple(candidates)
+            )
+        ]
+    if name == "adatree+profile":
+        if step_time_profile is None:
+            raise ValueError(
+                f"{text}: name the profile with --step-time-profile FILE (`adatree profile "
+                "--shapes candidates --profile-out FILE` writes one)"
+            )
+        return [
+            Configuration(
+                "adatree+profile",
+                "adatree-serve",
+                policy="adatree",
+                candidate_shapes=tuple(candidates),
+                step_time_profile=step_time_profile,
             )
         ]
     if name.startswith("adatree@"):
@@ -253,18 +280,21 @@ def parse_configuration(
         ]
     raise ValueError(
         f"unknown policy {text!r}; use ar, static:S,K,N, static:default, static:sweep, "
-        "sglang-adaptive, turbospec, adatree, adatree:SHAPES or adatree@S,K,N"
+        "sglang-adaptive, turbospec, adatree, adatree:SHAPES, adatree@S,K,N or adatree+profile"
     )
 
 
 def parse_configurations(
-    items: Sequence[str], draft_kind: str, candidates: str | Sequence[TreeShape]
+    items: Sequence[str],
+    draft_kind: str,
+    candidates: str | Sequence[TreeShape],
+    step_time_profile: str | None = None,
 ) -> list[Configuration]:
     """Every configuration of ``--policies``, de-duplicated, in the order given."""
     shapes = parse_candidates(candidates) if isinstance(candidates, str) else tuple(candidates)
     out: list[Configuration] = []
     for item in items:
-        for config in parse_configuration(item, draft_kind, shapes):
+        for config in parse_configuration(item, draft_kind, shapes, step_time_profile):
             if config.name not in {c.name for c in out}:
                 out.append(config)
     # static:default runs SGLang's default shape: an explicit copy of it would only repeat it.

@@ -1,8 +1,11 @@
 """Step-time profiles: what a decode step of each shape costs on one deployment.
 
-A profile answers ``step_ms(features, shape)`` for the simulator (the true step time, before any
-noise the scenario adds). ``TableProfile`` holds measured or computed times on a grid of batch
-sizes and mean context lengths per shape and interpolates between grid points:
+A profile answers ``step_ms(features, shape)``. The policy lab's simulator charges it as the
+true step time (before any noise the scenario adds); a server started with
+``step_time_profile`` prices its candidates by it (``ProfileStepTime``), so the shapes it seldom
+runs are priced by their own measured times, not by an analytic model fitted to the few
+steps they ran. ``TableProfile`` holds measured or computed times on a grid of batch sizes and
+mean context lengths per shape and interpolates between grid points:
 
 * batch size: piecewise linear in the *padded* batch size (the engine runs the padded batch, so
   a GPU's step time is flat between capture sizes and jumps at them); past the last grid point,
@@ -26,14 +29,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures
+from sglang_adatree.core.features import COLUMN, NO_GRAPHS, GraphPadding, StepFeatures
 from sglang_adatree.core.shapes import TreeShape
 
 SOURCES = ("measured", "analytic", "telemetry")
 
 
 class StepTimeProfile(Protocol):
-    """The true step time of a decode step, as the simulator charges it."""
+    """A decode step's step time per shape: the simulator's truth, or a server's base model."""
 
     name: str
     source: str
@@ -70,18 +73,26 @@ class TableProfile:
         object.__setattr__(self, "_index", {s: i for i, s in enumerate(self.shapes)})
 
     def step_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        i = self._index.get(shape)  # type: ignore[attr-defined]
-        if i is None:
-            raise KeyError(f"profile {self.name} has no step time for shape {shape}")
+        return float(self.step_ms_many(features, (shape,))[0])
+
+    def step_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` step times of one batch; KeyError for a shape not profiled."""
+        index = self._index  # type: ignore[attr-defined]
+        rows = []
+        for shape in shapes:
+            i = index.get(shape)
+            if i is None:
+                raise KeyError(f"profile {self.name} has no step time for shape {shape}")
+            rows.append(i)
         b = float(self.padding.padded(features.batch_size))
         mean = features.sum_context_len / features.batch_size
-        table = self.ms[i]  # [batch_sizes, context_lens]
+        table = self.ms[rows]  # [shapes, batch_sizes, context_lens]
         j, wj = _bracket(self.context_lens, mean, extrapolate=False)
-        by_batch = table[:, j] * (1.0 - wj) + table[:, j + 1] * wj if wj else table[:, j]
-        k, wk = _bracket(self.batch_sizes, b, extrapolate=True)
+        by_batch = table[:, :, j] * (1.0 - wj) + table[:, :, j + 1] * wj if wj else table[:, :, j]
         if len(self.batch_sizes) == 1:
-            return float(by_batch[0])
-        return float(by_batch[k] + wk * (by_batch[k + 1] - by_batch[k]))
+            return by_batch[:, 0]  # [shapes]
+        k, wk = _bracket(self.batch_sizes, b, extrapolate=True)
+        return by_batch[:, k] + wk * (by_batch[:, k + 1] - by_batch[:, k])  # [shapes]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,3 +147,76 @@ def _bracket(axis: Sequence[int], value: float, extrapolate: bool) -> tuple[int,
     lo, hi = axis[i], axis[i + 1]
     w = (value - lo) / (hi - lo)
     return i, (max(w, 0.0) if extrapolate else min(max(w, 0.0), 1.0))
+
+
+class ProfileStepTime:
+    """A ``StepTimeModel`` (``core.cost_model``) that prices feature rows by a profile.
+
+    ``missing`` names the candidates the profile lacks, so a server refuses to start without
+    them rather than failing at its first decision.
+    """
+
+    def __init__(self, profile: TableProfile) -> None:
+        self.profile = profile
+        # The shapes of the last shape columns asked for: a decision asks for the same
+        # candidates every step.
+        self._last_cols = b""
+        self._last_shapes: list[TreeShape] = []
+
+    def missing(self, shapes: Sequence[TreeShape]) -> list[TreeShape]:
+        """The shapes of ``shapes`` the profile has no step time for."""
+        held = set(self.profile.shapes)
+        return [s for s in shapes if s not in held]
+
+    def predict_matrix(self, x: np.ndarray) -> np.ndarray:
+        """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``. The
+        profile pads each batch size as the deployment it was measured on did."""
+        c = COLUMN
+        if x.shape[0] == 0:
+            return np.empty(0)
+        batch = x[:, [c["batch_size"], c["sum_context_len"], c["max_context_len"]]]
+        shape_cols = x[:, [c["steps"], c["topk"], c["num_draft_tokens"]]].astype(np.int64)
+        batch = batch.astype(np.int64)  # [rows, 3]
+        if (batch == batch[0]).all():
+            # A decision prices every candidate of one batch: one lookup.
+            size, total, longest = batch[0].tolist()
+            key = shape_cols.tobytes()
+            if key != self._last_cols:
+                self._last_cols = key
+                self._last_shapes = [TreeShape(*cols) for cols in shape_cols.tolist()]
+            shapes = self._last_shapes
+            return self.profile.step_ms_many(StepFeatures(size, size, total, longest), shapes)
+        keys, group = np.unique(batch, axis=0, return_inverse=True)
+        group = group.reshape(-1)  # [rows]
+        out = np.empty(x.shape[0])
+        for g, (size, total, longest) in enumerate(keys.tolist()):
+            rows = np.flatnonzero(group == g)
+            shapes = [TreeShape(*shape_cols[r].tolist()) for r in rows]
+            features = StepFeatures(size, size, total, longest)
+            out[rows] = self.profile.step_ms_many(features, shapes)
+        return out
+
+
+def load_profile_step_time(path: str | Path, candidates: Sequence[TreeShape]) -> ProfileStepTime:
+    """The step-time model of the profile JSON at ``path``; ValueError, naming the file and
+    what to do, when it cannot be read or lacks a candidate shape."""
+    where = Path(path).expanduser()
+    try:
+        profile = TableProfile.load(where)
+    except OSError as exc:
+        raise ValueError(f"step_time_profile {where}: cannot read it ({exc})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"step_time_profile {where} is not a step-time profile ({exc!r}); write one with "
+            "`adatree profile --profile-out FILE`"
+        ) from None
+    model = ProfileStepTime(profile)
+    missing = model.missing(candidates)
+    if missing:
+        raise ValueError(
+            f"step_time_profile {where} has no step times for the candidate shapes "
+            f"{', '.join(str(s) for s in missing)}; profile every candidate with `adatree "
+            "profile --shapes candidates --profile-out FILE`, or leave those shapes out of "
+            "candidate_shapes"
+        )
+    return model

@@ -1,0 +1,147 @@
+"""A deployment's step-time profile as a server's step-time model: ``ProfileStepTime`` prices
+feature rows as the profile does, ``load_profile_step_time`` refuses what cannot serve, and a
+step controller given a profile prices by it and never refits it away."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_controller import Batch, config, outcome
+
+from sglang_adatree.core.controller import ControlUpdate, ModelSource, StepController
+from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures, feature_matrix
+from sglang_adatree.core.policy import Pin
+from sglang_adatree.core.refit import FIRST_REFIT_ROWS, REFIT_EVERY_ROWS
+from sglang_adatree.core.shapes import TreeShape, parse_candidates
+from sglang_adatree.core.step_profile import (
+    ProfileStepTime,
+    TableProfile,
+    load_profile_step_time,
+)
+from sglang_adatree.sglang.serve import build_command
+
+SHAPES = parse_candidates("0;3,1,4;2,2,4")
+BATCHES = (1, 2, 4)
+CONTEXTS = (64, 512)
+
+
+def profile(shapes=SHAPES, padding=NO_GRAPHS) -> TableProfile:
+    """Step times that differ by shape, batch and context, and are not linear in the shape."""
+    ms = np.empty((len(shapes), len(BATCHES), len(CONTEXTS)))
+    for i in range(len(shapes)):
+        for j, b in enumerate(BATCHES):
+            for k, c in enumerate(CONTEXTS):
+                ms[i, j, k] = 50.0 + 7.0 * (i * i) + 9.0 * b + 0.01 * c * b
+    return TableProfile("test", "measured", "a test", shapes, BATCHES, CONTEXTS, ms, padding)
+
+
+def test_rows_are_priced_as_the_profile_prices_each_one():
+    table = profile()
+    model = ProfileStepTime(table)
+    batches = [StepFeatures(1, 1, 100, 100), StepFeatures(3, 3, 900, 500)]
+    # One batch's candidates (the decision's call), then rows of two batches mixed.
+    x = feature_matrix(batches[1], SHAPES)
+    assert model.predict_matrix(x) == pytest.approx([table.step_ms(batches[1], s) for s in SHAPES])
+    rows = [(f, s) for s in SHAPES for f in batches]
+    mixed = np.vstack([feature_matrix(f, (s,)) for f, s in rows])
+    expected = [table.step_ms(f, s) for f, s in rows]
+    assert model.predict_matrix(mixed) == pytest.approx(expected)
+    assert model.predict_matrix(mixed[:0]).shape == (0,)
+
+
+def test_the_profile_pads_a_batch_as_its_deployment_did():
+    # Measured with CUDA graphs of 1, 2 and 4: a batch of 3 runs as 4 there.
+    table = profile(padding=GraphPadding((1, 2, 4)))
+    three = StepFeatures(3, 3, 600, 200)
+    four = StepFeatures(4, 4, 800, 200)
+    x = feature_matrix(three, SHAPES)
+    assert ProfileStepTime(table).predict_matrix(x) == pytest.approx(
+        [table.step_ms(four, s) for s in SHAPES]
+    )
+
+
+def test_a_profile_file_is_loaded_for_the_candidates_it_covers(tmp_path):
+    path = tmp_path / "cpu.json"
+    profile().save(path)
+    model = load_profile_step_time(str(path), SHAPES)
+    assert model.missing(SHAPES) == []
+    assert model.missing((TreeShape(4, 4, 8),)) == [TreeShape(4, 4, 8)]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read it"),
+        ("{not json", "is not a step-time profile"),
+        ('{"name": "x"}', "is not a step-time profile"),
+        ("partial", "has no step times for the candidate shapes 3,1,4"),
+    ],
+)
+def test_a_profile_that_cannot_serve_is_refused_with_what_to_do(tmp_path, content, message):
+    path = tmp_path / "profile.json"
+    if content == "partial":
+        profile(SHAPES[:2]).save(path)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        load_profile_step_time(path, SHAPES)
+    assert str(path) in str(error.value)
+    if content == "partial":
+        assert "adatree profile" in str(error.value)
+
+
+def _run(controller: StepController, steps: int, ms) -> None:
+    """``steps`` steps of one request, each shape in turn (pinned), the poller's refits
+    applied as they come due."""
+    batch = Batch(100)
+    shapes = controller.candidate_shapes
+    for i in range(steps):
+        controller.apply(ControlUpdate(pins=(Pin(shapes[i % len(shapes)]),)))
+        ticket = controller.begin(batch.view())
+        report = controller.finish(ticket, outcome(ticket, ms(ticket)))
+        batch.advance(report, ticket)
+        update = controller.refit()
+        if update is not None:
+            controller.apply(update)
+
+
+def test_a_controller_with_a_profile_prices_by_it_and_never_refits():
+    table = profile()
+    model = ProfileStepTime(table)
+    controller = StepController(config(skip_idle_draft_extend=False), profile=model)
+    features = StepFeatures(1, 1, 100, 100)
+    ticket = controller.begin(Batch(100).view())
+    shape = ticket.decision.shape
+    assert ticket.decision.predicted_ms == pytest.approx(table.step_ms(features, shape))
+    controller.finish(ticket, outcome(ticket, table.step_ms(features, shape)))
+    # The machine runs 30% slower than the profile, every shape alike.
+    steps = 2 * REFIT_EVERY_ROWS + FIRST_REFIT_ROWS
+    _run(controller, steps, lambda t: 1.3 * table.step_ms(t.features, t.decision.shape))
+    assert not controller.measured.fitted  # no analytic refit ran
+    assert controller.policy.cost_model.step_time is model
+    # The drift took up the machine's speed; each shape keeps the profile's standing.
+    later = StepFeatures(1, 1, 700, 700)
+    predicted = controller.policy.cost_model.predict_ms_many(later, SHAPES)
+    assert predicted == pytest.approx([1.3 * table.step_ms(later, s) for s in SHAPES], rel=0.02)
+
+
+def test_rolling_back_from_a_trained_version_hands_back_the_profile():
+    model = ProfileStepTime(profile())
+    controller = StepController(config(skip_idle_draft_extend=False), profile=model)
+    _run(controller, 40, lambda t: 100.0)
+    update = controller.refit(force=True)
+    assert update is not None and update.model_source is ModelSource.PROFILE
+    assert update.cost_model.step_time is model
+    # With the measured steps' corrections replayed: every shape's prediction near 100 ms.
+    predicted = update.cost_model.predict_ms_many(StepFeatures(1, 1, 140, 140), SHAPES)
+    assert predicted == pytest.approx([100.0] * len(SHAPES), rel=0.1)
+
+
+def test_adatree_serve_hands_the_profile_to_every_sglang_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env: dict[str, str] = {}
+    command = build_command(
+        ["--model-path", "T", "--device", "cuda", "--step-time-profile", "cpu.json"], env
+    )
+    assert env["ADATREE_STEP_TIME_PROFILE"] == str(tmp_path / "cpu.json")
+    assert "--step-time-profile" not in command and "cpu.json" not in command
