@@ -49,7 +49,7 @@ function liveOverview() {
     field("shape").textContent = latest.shape || "–";
     field("decision_source").textContent = latest.decision_source || "–";
     field("active_policy_version").textContent =
-      data.active_policy_version === null ? "none (analytic fallback)" : data.active_policy_version;
+      data.active_policy_version === null ? "none (analytic fallback, or the step-time profile)" : data.active_policy_version;
     field("active_pins").textContent = String(data.active_pins);
     const buckets = res.bucket_s ? `${res.bucket_s} s buckets` : "one per step";
     const rolled = res.rolled_up ? ", with per-minute roll-ups" : "";

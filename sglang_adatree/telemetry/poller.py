@@ -8,7 +8,8 @@ controller one ``ControlUpdate`` when something changed:
 * a newly activated policy version: its XGBoost model loaded and tabulated here (seconds, never
   on the decode loop), corrected by the steps this server measured;
 * no version active: the analytic model refitted on this server's measured steps on the
-  schedule of ``core.refit`` (TurboSpec's closed loop); after a rollback to no version, at once.
+  schedule of ``core.refit`` (TurboSpec's closed loop), or the deployment's step-time profile,
+  never refitted; after a rollback to no version, at once.
 
 A database that cannot be read leaves serving as it is; the poller logs once when reading fails
 and once when it works again.
@@ -167,7 +168,8 @@ class ControlPoller:
                 )
                 self._failed_version = version
         elif state.active_policy_version is None and self._known_version is not None:
-            # Rolled back to no trained version: the refitted analytic model again, now.
+            # Rolled back to no trained version: the refitted analytic model (or the profile)
+            # again, now.
             self._known_version = None
             update = self.controller.refit(force=True)
             self._model_handed = True
