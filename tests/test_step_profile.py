@@ -64,8 +64,8 @@ def test_a_profile_file_is_loaded_for_the_candidates_it_covers(tmp_path):
     path = tmp_path / "cpu.json"
     profile().save(path)
     model = load_profile_step_time(str(path), SHAPES)
-    assert model.missing(SHAPES) == []
-    assert model.missing((TreeShape(4, 4, 8),)) == [TreeShape(4, 4, 8)]
+    assert model.profile.missing(SHAPES) == []
+    assert model.profile.missing((TreeShape(4, 4, 8),)) == [TreeShape(4, 4, 8)]
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,11 @@ class TableProfile:
             raise ValueError(f"profile {self.name}: step times must be finite and positive")
         object.__setattr__(self, "_index", {s: i for i, s in enumerate(self.shapes)})
 
+    def missing(self, shapes: Sequence[TreeShape]) -> list[TreeShape]:
+        """The shapes of ``shapes`` this profile has no step time for."""
+        index = self._index  # type: ignore[attr-defined]
+        return [s for s in shapes if s not in index]
+
     def step_ms(self, features: StepFeatures, shape: TreeShape) -> float:
         return float(self.step_ms_many(features, (shape,))[0])
 
@@ -150,11 +155,7 @@ def _bracket(axis: Sequence[int], value: float, extrapolate: bool) -> tuple[int,
 
 
 class ProfileStepTime:
-    """A ``StepTimeModel`` (``core.cost_model``) that prices feature rows by a profile.
-
-    ``missing`` names the candidates the profile lacks, so a server refuses to start without
-    them rather than failing at its first decision.
-    """
+    """A ``StepTimeModel`` (``core.cost_model``) that prices feature rows by a profile."""
 
     def __init__(self, profile: TableProfile) -> None:
         self.profile = profile
@@ -162,11 +163,6 @@ class ProfileStepTime:
         # candidates every step.
         self._last_cols = b""
         self._last_shapes: list[TreeShape] = []
-
-    def missing(self, shapes: Sequence[TreeShape]) -> list[TreeShape]:
-        """The shapes of ``shapes`` the profile has no step time for."""
-        held = set(self.profile.shapes)
-        return [s for s in shapes if s not in held]
 
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
         """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``. The
@@ -210,8 +206,8 @@ def load_profile_step_time(path: str | Path, candidates: Sequence[TreeShape]) ->
             f"step_time_profile {where} is not a step-time profile ({exc!r}); write one with "
             "`adatree profile --profile-out FILE`"
         ) from None
-    model = ProfileStepTime(profile)
-    missing = model.missing(candidates)
+    # A server refuses to start without a candidate's times, not fail at its first decision.
+    missing = profile.missing(candidates)
     if missing:
         raise ValueError(
             f"step_time_profile {where} has no step times for the candidate shapes "
@@ -219,4 +215,4 @@ def load_profile_step_time(path: str | Path, candidates: Sequence[TreeShape]) ->
             "profile --shapes candidates --profile-out FILE`, or leave those shapes out of "
             "candidate_shapes"
         )
-    return model
+    return ProfileStepTime(profile)

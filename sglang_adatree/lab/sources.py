@@ -151,9 +151,10 @@ def load_profile(name: str, shapes: Sequence[TreeShape]) -> StepTimeProfile:
 
 
 def _covering(profile: TableProfile, shapes: Sequence[TreeShape]) -> TableProfile:
-    missing = [str(s) for s in shapes if s not in profile.shapes]
+    missing = profile.missing(shapes)
     if missing:
-        raise SourceError(f"profile {profile.name} has no step times for {', '.join(missing)}")
+        named = ", ".join(str(s) for s in missing)
+        raise SourceError(f"profile {profile.name} has no step times for {named}")
     return profile
 
 
