@@ -4,10 +4,13 @@ step controller given a profile prices by it and never refits it away."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from test_controller import Batch, config, outcome
 
+from sglang_adatree.cli import main
 from sglang_adatree.core.controller import ControlUpdate, ModelSource, StepController
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures, feature_matrix
 from sglang_adatree.core.policy import Pin
@@ -145,3 +148,34 @@ def test_adatree_serve_hands_the_profile_to_every_sglang_process(tmp_path, monke
     )
     assert env["ADATREE_STEP_TIME_PROFILE"] == str(tmp_path / "cpu.json")
     assert "--step-time-profile" not in command and "cpu.json" not in command
+
+
+def _pair(tmp_path):
+    """Model folders a dry run accepts: a target and an EAGLE head, their configs only."""
+    for name, arch in (("target", "LlamaForCausalLM"), ("head", "LlamaForCausalLMEagle")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    return ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head")]
+
+
+def test_adatree_bench_serves_adatree_priced_by_a_profile(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    profile().save(tmp_path / "cpu.json")
+    pair = _pair(tmp_path)
+
+    def bench(candidates: str, *more: str) -> int:
+        policies = ["--policies", "ar,adatree+profile", "--loads", "c1", "--prompts", "mtbench"]
+        return main(
+            ["bench", *pair, "--candidate-shapes", candidates, "--dry-run", *policies, *more]
+        )
+
+    assert bench("0;3,1,4;2,2,4", "--step-time-profile", "cpu.json") == 0
+    out = capsys.readouterr().out
+    assert f"--step-time-profile {tmp_path / 'cpu.json'}" in out  # absolute: servers run elsewhere
+    with pytest.raises(SystemExit, match=r"adatree bench: .*--step-time-profile FILE"):
+        bench("0;3,1,4;2,2,4")
+    # A profile that lacks a candidate, or no file at all, stops it before any server starts.
+    with pytest.raises(SystemExit, match=r"adatree bench: .*6,4,16"):
+        bench("0;3,1,4;6,4,16", "--step-time-profile", "cpu.json")
+    with pytest.raises(SystemExit, match=r"adatree bench: .*missing\.json"):
+        bench("0;3,1,4;2,2,4", "--step-time-profile", "missing.json")

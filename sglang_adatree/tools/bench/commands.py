@@ -19,10 +19,12 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_adatree.config import load_config
-from sglang_adatree.core.shapes import ShapeError, parse_candidates
+from sglang_adatree.core.shapes import ShapeError, TreeShape, parse_candidates
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.client import Load
@@ -67,6 +69,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", help="data directory (default: ADATREE_HOME or config)")
 
 
+def add_profile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--step-time-profile``, the file ``adatree+profile`` prices by."""
+    parser.add_argument(
+        "--step-time-profile",
+        type=Path,
+        metavar="FILE",
+        help="the step-time profile adatree+profile prices by (`adatree profile --shapes "
+        "candidates --profile-out FILE`)",
+    )
+
+
+def resolve_profile(args: argparse.Namespace, candidates: Sequence[TreeShape]) -> str | None:
+    """``--step-time-profile`` as an absolute path, checked before any server starts: a file
+    that cannot be read or lacks a candidate shape raises ``ValueError`` or
+    ``FileNotFoundError`` with what to do."""
+    if args.step_time_profile is None:
+        return None
+    profile = str(args.step_time_profile.expanduser().resolve())
+    load_profile_step_time(profile, candidates)
+    return profile
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
     add_model_arguments(p)
@@ -74,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         help="comma list of ar, static:S,K,N, static:default, static:sweep, sglang-adaptive, "
         "turbospec, adatree, adatree:SHAPES (its own candidates, ';'-separated), adatree@S,K,N "
-        "(pinned) (shapes keep their commas: 'static:3,1,4')",
+        "(pinned), adatree+profile (--step-time-profile) (shapes keep their commas: "
+        "'static:3,1,4')",
     )
     p.add_argument(
         "--candidate-shapes",
@@ -86,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list of workloads: {', '.join(WORKLOAD_NAMES)} or JSONL files with a "
         "'prompt' field",
     )
+    add_profile_argument(p)
     p.add_argument(
         "--loads", help="comma list: cN = N concurrent clients, rX = Poisson X requests/s"
     )
@@ -172,11 +198,14 @@ def run(args: argparse.Namespace) -> int:
         candidates = parse_candidates(args.candidate_shapes) if args.candidate_shapes else None
         candidates = candidates or load_config().candidate_shapes
         configs = parse_configurations(
-            split_items(str(_option(args, "policies"))), models.draft_kind, candidates
+            split_items(str(_option(args, "policies"))),
+            models.draft_kind,
+            candidates,
+            resolve_profile(args, candidates),
         )
         loads = [Load.parse(x) for x in str(_option(args, "loads")).split(",") if x.strip()]
         allocator.chosen_allocator(os.environ)
-    except (ShapeError, ValueError) as exc:
+    except (ShapeError, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"adatree bench: {exc}") from None
     num_requests = int(_option(args, "num_requests"))
     workloads = []

@@ -25,12 +25,13 @@ from pathlib import Path
 
 from sglang_adatree.config import load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
-from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.commands import (
     add_model_arguments,
+    add_profile_argument,
     exit_on_signal,
     resolve_models,
+    resolve_profile,
     split_items,
 )
 from sglang_adatree.tools.bench.configurations import ServerSettings, parse_configurations
@@ -83,13 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"one prompt set ({', '.join(WORKLOAD_NAMES)}) or a JSONL file with a 'prompt' "
         "field (default mtbench)",
     )
-    p.add_argument(
-        "--step-time-profile",
-        type=Path,
-        metavar="FILE",
-        help="the step-time profile adatree+profile prices by (`adatree profile --shapes "
-        "candidates --profile-out FILE`)",
-    )
+    add_profile_argument(p)
     p.add_argument("--num-requests", type=int, default=12, help="prompts, each sent to all")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per answer, EOS ignored")
     p.add_argument("--warmup-requests", type=int, default=2, help="unmeasured requests first")
@@ -126,12 +121,11 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
     try:
         candidates = parse_candidates(args.candidate_shapes) if args.candidate_shapes else None
         candidates = candidates or load_config().candidate_shapes
-        profile = None
-        if args.step_time_profile is not None:
-            profile = str(args.step_time_profile.expanduser().resolve())
-            load_profile_step_time(profile, candidates)  # refused here, not at server start
         configs = parse_configurations(
-            split_items(args.policies), models.draft_kind, candidates, profile
+            split_items(args.policies),
+            models.draft_kind,
+            candidates,
+            resolve_profile(args, candidates),
         )
         workload = load_workload(args.prompts, args.num_requests, args.seed)
         allocator.chosen_allocator(os.environ)
