@@ -157,7 +157,8 @@ SETTINGS: tuple[Setting, ...] = (
         32,
         "[0, 100000]",
         "requests' decode steps (a batch of B counts B; at least one round of the candidates) "
-        "that cycle through the candidates before the model decides",
+        "that cycle through the candidates before the model decides (none with a "
+        "step_time_profile)",
         _int,
         lambda v: 0 <= v <= 100_000,
     ),

@@ -13,7 +13,7 @@ from test_controller import Batch, config, outcome
 from sglang_adatree.cli import main
 from sglang_adatree.core.controller import ControlUpdate, ModelSource, StepController
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures, feature_matrix
-from sglang_adatree.core.policy import Pin
+from sglang_adatree.core.policy import DecisionSource, Pin
 from sglang_adatree.core.refit import FIRST_REFIT_ROWS, REFIT_EVERY_ROWS
 from sglang_adatree.core.shapes import TreeShape, parse_candidates
 from sglang_adatree.core.step_profile import (
@@ -126,6 +126,24 @@ def test_a_controller_with_a_profile_prices_by_it_and_never_refits():
     later = StepFeatures(1, 1, 700, 700)
     predicted = controller.policy.cost_model.predict_ms_many(later, SHAPES)
     assert predicted == pytest.approx([1.3 * table.step_ms(later, s) for s in SHAPES], rel=0.02)
+
+
+def test_a_controller_with_a_profile_runs_no_warm_up():
+    # The profile prices every shape already: the first step is the policy's own choice.
+    warm = config(skip_idle_draft_extend=False, warmup_steps=32)
+    profiled = StepController(warm, profile=ProfileStepTime(profile()))
+    refitted = StepController(warm)
+    for controller, sources in (
+        (profiled, {DecisionSource.FALLBACK}),
+        (refitted, {DecisionSource.WARMUP}),
+    ):
+        seen = set()
+        for _ in range(len(SHAPES)):
+            ticket = controller.begin(Batch(100).view())
+            seen.add(ticket.decision.source)
+            controller.finish(ticket, outcome(ticket, 100.0))
+        assert seen == sources
+    assert profiled.config.warmup_steps == 32  # the operator's setting reads as set
 
 
 def test_rolling_back_from_a_trained_version_hands_back_the_profile():

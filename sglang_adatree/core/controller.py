@@ -18,7 +18,8 @@ telemetry writer, the Prometheus series); the controller imports neither.
 Operator control and new cost models arrive as ``ControlUpdate`` values through ``apply`` (any
 thread), and take effect at the next ``begin``: a step boundary. The first analytic refit is the
 controller's own (``_first_refit``); the later ones come from the control poller. A controller
-given the deployment's step-time profile prices by it instead and never refits (``refit``).
+given the deployment's step-time profile prices by it instead, never refits (``refit``) and
+runs no warm-up: the policy decides from the first step.
 
 Draft catch-up: with ``skip_idle_draft_extend`` a step without speculation skips the draft's
 extend, so the draft of every request in that batch is one token behind and its next draft
@@ -240,7 +241,10 @@ class StepController:
         # analytic model, refitted on this server's steps.
         self.profile = profile
         self.policy = make_policy(
-            config,
+            # The warm-up measures what the profile already priced, and its few steps of each
+            # shape, taken in one request's opening, would set that shape's corrections for
+            # the next hundreds of steps (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
+            config if profile is None else config.replace(warmup_steps=0),
             OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay),
             AcceptanceEstimator.from_config(config),
         )

@@ -12,7 +12,8 @@ step time``. Each step, in order of precedence:
    A step of a large batch measures a shape's acceptance on every request at once, and running a
    slow shape costs the whole batch: counted in steps, a warm-up long enough at batch size 1
    would run the largest trees through batches of 16-64 for as many steps, where one round
-   already measures each shape on hundreds of requests.
+   already measures each shape on hundreds of requests. A server priced by the deployment's
+   step-time profile runs no warm-up (``controller.StepController``).
 3. exploration: on a deterministic ``explore_fraction`` of steps (a phase drawn from
    ``explore_seed``, then evenly spaced by the step counter) another shape runs
    (``EXPLORE``): on every other exploring step the runner-up, the shape the decision turns
