@@ -242,8 +242,8 @@ class StepController:
         self.profile = profile
         self.policy = make_policy(
             # The warm-up measures what the profile already priced, and its few steps of each
-            # shape, taken in one request's opening, would set that shape's corrections for
-            # the next hundreds of steps (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
+            # shape, taken in one request's opening, would steer the choice for the next
+            # hundreds of steps (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
             config if profile is None else config.replace(warmup_steps=0),
             OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay),
             AcceptanceEstimator.from_config(config),
