@@ -241,9 +241,8 @@ class StepController:
         # analytic model, refitted on this server's steps.
         self.profile = profile
         self.policy = make_policy(
-            # The warm-up measures what the profile already priced, and its few steps of each
-            # shape, taken in one request's opening, would steer the choice for the next
-            # hundreds of steps (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
+            # The warm-up measures what the profile already priced: at start-up it would only
+            # run slow shapes (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
             config if profile is None else config.replace(warmup_steps=0),
             OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay),
             AcceptanceEstimator.from_config(config),
