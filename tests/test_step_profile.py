@@ -183,9 +183,8 @@ def test_adatree_bench_serves_adatree_priced_by_a_profile(tmp_path, capsys, monk
 
     def bench(candidates: str, *more: str) -> int:
         policies = ["--policies", "ar,adatree+profile", "--loads", "c1", "--prompts", "mtbench"]
-        return main(
-            ["bench", *pair, "--candidate-shapes", candidates, "--dry-run", *policies, *more]
-        )
+        dry = ["--dry-run", "--work-dir", str(tmp_path / "work")]
+        return main(["bench", *pair, "--candidate-shapes", candidates, *dry, *policies, *more])
 
     assert bench("0;3,1,4;2,2,4", "--step-time-profile", "cpu.json") == 0
     out = capsys.readouterr().out
