@@ -82,8 +82,7 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
 
 def resolve_profile(args: argparse.Namespace, candidates: Sequence[TreeShape]) -> str | None:
     """``--step-time-profile`` as an absolute path, checked before any server starts: a file
-    that cannot be read or lacks a candidate shape raises ``ValueError`` or
-    ``FileNotFoundError`` with what to do."""
+    that cannot be read or lacks a candidate shape raises ``ValueError`` with what to do."""
     if args.step_time_profile is None:
         return None
     profile = str(args.step_time_profile.expanduser().resolve())
@@ -205,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         )
         loads = [Load.parse(x) for x in str(_option(args, "loads")).split(",") if x.strip()]
         allocator.chosen_allocator(os.environ)
-    except (ShapeError, ValueError, FileNotFoundError) as exc:
+    except (ShapeError, ValueError) as exc:
         raise SystemExit(f"adatree bench: {exc}") from None
     num_requests = int(_option(args, "num_requests"))
     workloads = []
