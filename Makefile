@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Free disk a venv built from nothing needs (GB), checked before the install starts.
+VENV_FREE_GB ?= 8
 # Debian packages the suite drives for real: PostgreSQL (multi-node telemetry),
 # Chromium + ChromeDriver (dashboard browser tests) and tcmalloc (the CPU servers' allocator).
 DEB_PACKAGES := postgresql chromium chromium-driver libtcmalloc-minimal4
@@ -13,6 +15,17 @@ DEB_PACKAGES := postgresql chromium chromium-driver libtcmalloc-minimal4
 venv: $(STAMP)
 
 $(STAMP): requirements/cpu.lock pyproject.toml
+	@# The venv takes about 7.5 GB at its peak: without the room, pip stops halfway with
+	@# "No space left on device" and leaves a broken venv, so say so before starting.
+	@free=$$(df -Pk . | awk 'NR == 2 {print $$4}'); \
+	have=$$(du -sk $(VENV) 2>/dev/null | cut -f1); \
+	need=$$(( $(VENV_FREE_GB) * 1048576 - $${have:-0} )); \
+	if [ "$$free" -lt "$$need" ]; then \
+	  echo "make venv: the virtual environment needs about $$(( need / 1048576 + 1 )) GB more" \
+	    "free disk on the file system holding $(CURDIR), which has $$(( free / 1048576 )) GB;" \
+	    "free some space, or set VENV_FREE_GB (now $(VENV_FREE_GB)) if you know better" >&2; \
+	  exit 1; \
+	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# Disk: torch's wheel links the CUDA libraries (3.4 GB of the 7.2 GB venv) even on a CPU.
 	# They go in first, on their own, and no wheel is kept in pip's cache, so their downloaded
