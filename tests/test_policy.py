@@ -259,6 +259,36 @@ def test_same_inputs_same_decisions():
     assert {d.source for d in a} == {"warmup", "explore", "fallback"}
 
 
+def explored_in_hard_requests(track_requests: bool, seed: int) -> float:
+    """The chain 3,1,4's acceptance correction after it ran only the last steps of the hard
+    requests (the draft accepted half as often there), as exploring steps land, while the tree
+    2,2,4 ran everything else; the step's requests told to the policy or not."""
+    tree, chain = TreeShape(2, 2, 4), TreeShape(3, 1, 4)
+    policy = make_policy(candidate_shapes=(NO_SPEC, tree, chain))
+    rng = np.random.default_rng(seed)
+    easy, hard = np.full((4, 4), 0.7), np.full((4, 4), 0.35)
+    f = batch(1)
+    for r in range(80):
+        hazards = hard if r % 2 else easy
+        for step in range(30):
+            shape = chain if r % 2 and step >= 24 else tree
+            paths = AcceptedPathStats(*sample_path_stats(shape, 1, hazards, rng))
+            policy.observe(f, shape, 100.0, paths, (f"r{r}",) if track_requests else ())
+    policy.acceptance.refresh()
+    return policy.acceptance.correction(chain)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_shape_explored_in_hard_requests_is_judged_against_their_level(seed):
+    # Measured against the positional model alone, the chain reads as a shape that emits a
+    # fifth less than predicted (it ran only where every shape emits less); measured against
+    # the requests' own level, which the tree's steps in them set, less of that sticks to it.
+    # Run through every request instead, its correction comes to about 1.
+    judged, naive = explored_in_hard_requests(True, seed), explored_in_hard_requests(False, seed)
+    assert naive < 0.9
+    assert judged > naive + 0.02
+
+
 def test_observations_move_the_decision():
     # Acceptance turns out low: deep trees lose their appeal.
     policy = make_policy(FLAT, prior=0.9, prior_weight=5.0)

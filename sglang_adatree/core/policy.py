@@ -206,11 +206,13 @@ class Policy:
         row per request of ``request_ids``)."""
         self.cost_model.observe(features, shape, measured_ms)
         if stats is not None and shape.speculative:
+            # The requests' level before this step: the shape is judged against it.
+            factor = self.requests.batch_factor(request_ids)
             if request_ids:
                 accepted = (np.asarray(stats.accepted_rank) >= 0).sum(axis=1)  # [batch]
                 expected = self.acceptance.expected_emitted(shape) - 1.0
                 self.requests.observe(request_ids, accepted, expected)
-            self.acceptance.observe(shape, stats.num_children, stats.accepted_rank)
+            self.acceptance.observe(shape, stats.num_children, stats.accepted_rank, factor)
         elif request_ids:
             self.requests.age(request_ids)
         i = self._index.get(shape)
