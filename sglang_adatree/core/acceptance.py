@@ -46,14 +46,13 @@ the emitted tokens of its verify steps to what the model predicted for those req
 last refresh, scaled by the requests' own acceptance factors, ``RequestAcceptance``: as the
 policy saw it), forgotten ``FACTOR_SPEED`` times faster than the counts and shrunk towards 1 by
 ``prior_weight`` pseudo-requests. Measured against the requests' own level, a shape that ran
-only through a hard request, as an exploring step does, is not read as a worse shape: emitted
-tokens per step span 1.4-2.5 from one request to the next on MT-bench with the bundled head,
-more than the 3-10% between the shapes a decision turns on. A
-request counts with the model's confidence then (``confidence()``: while the hazards are
-mostly prior, a miss says nothing about the shape). Every factor is then divided by the raw
-factor of the shape with the most evidence, so that shape is predicted by the hazards alone and
-the level of every estimate stays the hazards': a factor that also moved the level would add
-its own noise to the choice between speculating and not (in ``tests/test_policy.py``'s
+only through a hard request, as an exploring step does, is not read as a worse shape: a step's
+emitted tokens vary far more from one request to the next than between the shapes a decision
+turns on. A request counts with the model's confidence then (``confidence()``: while the
+hazards are mostly prior, a miss says nothing about the shape). Every factor is then divided by
+the raw factor of the shape with the most evidence, so that shape is predicted by the hazards
+alone and the level of every estimate stays the hazards': a factor that also moved the level
+would add its own noise to the choice between speculating and not (in ``tests/test_policy.py``'s
 batch-1 simulation it cost the paying chain its share of the steps on 4 of 6 seeds), and would
 take up the hazards' lag after a change of acceptance for whichever shape was running.
 The corrected estimate is clipped to ``[1, steps + 1]``.
