@@ -1,9 +1,15 @@
-"""Time Policy.decide with 16 candidate shapes and a fitted XGBoost cost model.
+"""Time Policy.decide with 16 candidate shapes and a fitted XGBoost cost model, and the step
+controller's host work per decode step as a server runs it.
 
 Fits XGBoost on a synthetic step-time surface (the suite's ``tests/synthetic.py``), tabulates it
 over the default grid, checks the table against direct predictions, then runs a drifting batch
 (its requests' ids passed, as the step controller passes them) through decide/observe and times
-decide alone. The last line is exactly::
+decide alone.
+
+Then the step controller (``StepController.begin`` and ``finish``, no sinks) at concurrency 1,
+one request at a time with growing context, under the served configurations: the default
+candidates priced by the analytic model refitted online, priced by the bundled CPU profile (a
+server with ``step_time_profile``), and pinned to no speculation. The last line is exactly::
 
     policy decision: p50=<us> us p99=<us> us candidates=16
 
@@ -20,13 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.config import AdaTreeConfig, load_config
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.controller import BatchView, ControlUpdate, StepController, StepOutcome
 from sglang_adatree.core.cost_model import OnlineCostModel, mape
 from sglang_adatree.core.cost_table import CostTable, table_error
 from sglang_adatree.core.features import StepFeatures, feature_rows
-from sglang_adatree.core.policy import Policy
-from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, TreeShape
+from sglang_adatree.core.policy import Pin, Policy
+from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
+from sglang_adatree.core.step_profile import load_profile_step_time
 from sglang_adatree.core.xgb_cost import fit_xgboost
 
 # The suite's synthetic surface and samplers are this benchmark's data.
@@ -34,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from synthetic import GPU_PADDING, SyntheticSurface, sample_path_stats, sample_steps
 
 EXTRA_SHAPES = (TreeShape(4, 1, 5), TreeShape(2, 4, 6), TreeShape(5, 2, 10), TreeShape(7, 4, 24))
+LAB_CPU_PROFILE = Path(__file__).resolve().parents[1] / "sglang_adatree/lab/data/cpu-2core.json"
 HAZARDS = np.tile(0.75 * 0.45 ** np.arange(16), (16, 1))  # [depth, rank]
 
 
@@ -46,6 +55,43 @@ def drifting_batches(n: int, rng: np.random.Generator) -> list[StepFeatures]:
         total = int(b * mean)
         out.append(StepFeatures(b, GPU_PADDING.padded(b), total, min(total, int(mean * 2.5))))
     return out
+
+
+def served_controllers() -> list[tuple[str, StepController]]:
+    """The step controllers of a served run: refitted, priced by a profile, pinned to none."""
+    config = load_config(env={})
+    profile = load_profile_step_time(LAB_CPU_PROFILE, config.candidate_shapes)
+    pinned = StepController(config, profile=profile)
+    pinned.apply(ControlUpdate(pins=(Pin(NO_SPEC),)))
+    return [
+        ("analytic model refitted", StepController(config)),
+        ("priced by the CPU profile", StepController(config, profile=profile)),
+        ("pinned to no speculation", pinned),
+    ]
+
+
+def time_controller(
+    controller: StepController, steps: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[steps]`` microseconds of ``begin`` and of ``finish``, the warm-up's steps left out."""
+    begin_us, finish_us = np.empty(steps), np.empty(steps)
+    context = 300
+    for i in range(steps):
+        start = time.perf_counter_ns()
+        ticket = controller.begin(BatchView(("r0",), (context,)))
+        begin_us[i] = (time.perf_counter_ns() - start) / 1000.0
+        shape, paths, accepted = ticket.decision.shape, None, 0
+        if shape.speculative:
+            stats = sample_path_stats(shape, 1, HAZARDS, rng)
+            paths = AcceptedPathStats(*(torch.from_numpy(a) for a in stats))
+            accepted = int((stats[1] >= 0).sum())
+        outcome = StepOutcome(60.0 + rng.normal(0.0, 3.0), (accepted,), time.time(), paths)
+        start = time.perf_counter_ns()
+        controller.finish(ticket, outcome)
+        finish_us[i] = (time.perf_counter_ns() - start) / 1000.0
+        context = 300 if context > 2000 else context + accepted + 1  # a new request
+    skip = min(steps // 2, 100)
+    return begin_us[skip:], finish_us[skip:]
 
 
 def main() -> None:
@@ -107,6 +153,13 @@ def main() -> None:
         policy.observe(f, decision.shape, measured_ms, stats, ids)
         observe_ns[i] = time.perf_counter_ns() - start
     print("decision sources:", ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
+    for label, controller in served_controllers():
+        begin_us, finish_us = time_controller(controller, args.steps, rng)
+        print(
+            f"step controller, {label}: begin p50={np.percentile(begin_us, 50):.1f} us, "
+            f"finish p50={np.percentile(finish_us, 50):.1f} us, "
+            f"both p99={np.percentile(begin_us + finish_us, 99):.1f} us"
+        )
     o50, o99 = np.percentile(observe_ns / 1000.0, [50, 99])
     print(f"policy observe: p50={o50:.1f} us p99={o99:.1f} us")
     p50, p99 = np.percentile(times_ns / 1000.0, [50, 99])

@@ -152,6 +152,26 @@ def test_predict_many_matches_predict_one_with_corrections():
     )
 
 
+def test_a_step_is_observed_against_its_own_batch_whichever_was_priced_last():
+    # The decision's row is kept for the step's observation; a later batch must not stand in.
+    shape = DEFAULT_CANDIDATES[2]
+    a, b = StepFeatures(1, 1, 300, 300), StepFeatures(4, 4, 9000, 3000)
+    kept, fresh = (OnlineCostModel(AnalyticStepTime(), residual_decay=0.5) for _ in range(2))
+    kept.predict_ms_many(a, DEFAULT_CANDIDATES)
+    kept.observe(a, shape, 40.0)
+    kept.predict_ms_many(b, DEFAULT_CANDIDATES)
+    kept.observe(a, shape, 40.0)
+    assert kept.predict_ms(a, shape) == AnalyticStepTime().predict_matrix(
+        feature_matrix(a, (shape,))
+    )[0] * kept.residual.factor(shape)
+    fresh.observe(a, shape, 40.0)
+    fresh.observe(a, shape, 40.0)
+    assert kept.residual.factor(shape) == fresh.residual.factor(shape)
+    assert kept.predict_ms_many(b, DEFAULT_CANDIDATES).tolist() == (
+        fresh.predict_ms_many(b, DEFAULT_CANDIDATES).tolist()
+    )
+
+
 def test_predictions_never_reach_zero():
     model = OnlineCostModel(AnalyticStepTime(*([0.0] * 7)), residual_decay=0.1)
     assert model.predict_ms(StepFeatures(1, 1, 1, 1), NO_SPEC) == MIN_STEP_MS

@@ -12,6 +12,7 @@ from test_controller import Batch, config, outcome
 
 from sglang_adatree.cli import main
 from sglang_adatree.core.controller import ControlUpdate, ModelSource, StepController
+from sglang_adatree.core.cost_model import OnlineCostModel
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures, feature_matrix
 from sglang_adatree.core.policy import DecisionSource, Pin
 from sglang_adatree.core.refit import FIRST_REFIT_ROWS, REFIT_EVERY_ROWS
@@ -50,6 +51,19 @@ def test_rows_are_priced_as_the_profile_prices_each_one():
     expected = [table.step_ms(f, s) for f, s in rows]
     assert model.predict_matrix(mixed) == pytest.approx(expected)
     assert model.predict_matrix(mixed[:0]).shape == (0,)
+
+
+def test_one_batch_is_priced_directly_as_its_feature_rows_are():
+    model = ProfileStepTime(profile(padding=GraphPadding((1, 2, 4))))
+    cost = OnlineCostModel(model, residual_decay=0.5)
+    for f in (
+        StepFeatures(1, 1, 10, 10),
+        StepFeatures(3, 4, 900, 500),
+        StepFeatures(9, 9, 90000, 9000),
+    ):
+        rows = model.predict_matrix(feature_matrix(f, SHAPES))
+        assert model.predict_many(f, SHAPES).tolist() == rows.tolist()
+        assert cost.raw_ms_many(f, SHAPES).tolist() == rows.tolist()
 
 
 def test_the_profile_pads_a_batch_as_its_deployment_did():

@@ -105,6 +105,14 @@ class AcceptedPathStats:
     num_children: Any  # [batch, steps] int64
     accepted_rank: Any  # [batch, steps] int64
 
+    def as_arrays(self) -> AcceptedPathStats:
+        """The same paths as NumPy arrays: a step's paths are read several times, and each
+        read of a torch tensor converts it again."""
+        return AcceptedPathStats(
+            np.asarray(self.num_children, dtype=np.int64),
+            np.asarray(self.accepted_rank, dtype=np.int64),
+        )
+
 
 def accepted_counts(
     stats: AcceptedPathStats, topk: int
@@ -112,10 +120,10 @@ def accepted_counts(
     """(offered per depth, accepted per depth, accepted per sibling rank), batch totals."""
     ranks = np.asarray(stats.accepted_rank)  # [batch, steps]
     accepted = ranks >= 0
-    offered_by_depth = tuple(int(x) for x in np.asarray(stats.num_children).sum(0).tolist())
-    accepted_by_depth = tuple(int(x) for x in accepted.sum(0).tolist())
+    offered_by_depth = tuple(np.asarray(stats.num_children).sum(0).tolist())
+    accepted_by_depth = tuple(accepted.sum(0).tolist())
     by_rank = np.bincount(ranks[accepted & (ranks < topk)], minlength=topk)[:topk]
-    return offered_by_depth, accepted_by_depth, tuple(int(x) for x in by_rank)
+    return offered_by_depth, accepted_by_depth, tuple(by_rank.tolist())
 
 
 @dataclass

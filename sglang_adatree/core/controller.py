@@ -317,7 +317,9 @@ class StepController:
         decision = ticket.decision
         shape = decision.shape
         learned = teaches_cost_model(decision.source, outcome.measured_ms)
-        paths = outcome.paths if shape.speculative else None
+        paths = None
+        if shape.speculative and outcome.paths is not None:
+            paths = outcome.paths.as_arrays()
         if learned:
             self.policy.observe(
                 ticket.features, shape, outcome.measured_ms, paths, ticket.request_ids

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -140,7 +141,13 @@ class AnalyticStepTime:
 
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
         """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``."""
-        return self.design_matrix(x) @ np.array(astuple(self))
+        return self.design_matrix(x) @ self._coefficients
+
+    @cached_property
+    def _coefficients(self) -> np.ndarray:
+        """``[7]`` the coefficients in ``design_matrix``'s order, built once: the policy
+        prices every step with them, and ``astuple`` costs more than the product."""
+        return np.array(astuple(self))
 
     @classmethod
     def fit(cls, x: np.ndarray, measured_ms: np.ndarray) -> AnalyticStepTime:
@@ -258,6 +265,13 @@ class OnlineCostModel:
         # The smallest batch the step-time model was fitted on (its batch and padded batch
         # sizes): a smaller batch is priced as that one (``at_floor``).
         self.batch_floor = batch_floor
+        # The last batch priced for a shape tuple, with its row: a step is priced for every
+        # candidate when it is decided and for its own shape when it is observed.
+        self._last: tuple[StepFeatures, Sequence[TreeShape], np.ndarray] | None = None
+        self._last_index: dict[TreeShape, int] = {}
+        # A step-time model that prices one batch's shapes directly (``predict_many``, as
+        # ``step_profile.ProfileStepTime`` does) is asked so, without feature rows.
+        self._predict_many = getattr(step_time, "predict_many", None)
 
     def at_floor(self, features: StepFeatures) -> StepFeatures:
         """``features``, or a batch of the floor's size with the same mean and longest context
@@ -282,13 +296,25 @@ class OnlineCostModel:
         )
 
     def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` uncorrected predictions."""
+        """``[len(shapes)]`` uncorrected predictions (read only: the last one is kept)."""
         features = self.at_floor(features)
+        last = self._last
+        if last is not None and last[1] is shapes and last[0] == features:
+            return last[2]
+        row = self._raw_row(features, shapes)
+        if last is None or last[1] is not shapes:
+            self._last_index = {s: i for i, s in enumerate(shapes)}
+        self._last = (features, shapes, row)
+        return row
+
+    def _raw_row(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         table = self.table
         if table is not None and (shapes is table.shapes or shapes == table.shapes):
             row = table.lookup(features)
             if row is not None:
                 return row
+        if self._predict_many is not None:
+            return np.maximum(self._predict_many(features, shapes), MIN_STEP_MS)
         return np.maximum(
             self.step_time.predict_matrix(feature_matrix(features, shapes)), MIN_STEP_MS
         )
@@ -335,6 +361,11 @@ class OnlineCostModel:
 
     def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
         features = self.at_floor(features)
+        last = self._last
+        if last is not None and last[0] == features:
+            i = self._last_index.get(shape)
+            if i is not None:
+                return float(last[2][i])
         table = self.table
         if table is not None:
             i = table.index.get(shape)
@@ -342,4 +373,4 @@ class OnlineCostModel:
                 row = table.lookup(features)
                 if row is not None:
                     return float(row[i])
-        return float(self.raw_ms_many(features, (shape,))[0])
+        return float(self._raw_row(features, (shape,))[0])

@@ -164,6 +164,14 @@ class ProfileStepTime:
         self._last_cols = b""
         self._last_shapes: list[TreeShape] = []
 
+    def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` step times in ms of one batch, as ``predict_matrix`` prices its
+        feature rows, without building them: the policy prices every candidate each step."""
+        f = features
+        return self.profile.step_ms_many(
+            StepFeatures(f.batch_size, f.batch_size, f.sum_context_len, f.max_context_len), shapes
+        )
+
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
         """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``. The
         profile pads each batch size as the deployment it was measured on did."""
