@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from telemetry_helpers import RUN
-from test_controller import config, outcome
+from test_controller import ListSink, config, outcome
 
 from sglang_adatree.core.controller import BatchView, StepController
 from sglang_adatree.telemetry import store
@@ -73,6 +73,41 @@ def test_step_series_count_decode_and_verify_steps_apart():
         if s.name == "adatree_steps_total"
     )
     assert per_shape == decode
+
+
+def test_every_series_of_a_step_adds_up_to_the_steps_reports():
+    registry = CollectorRegistry()
+    reports = ListSink()
+    controller = StepController(
+        config(warmup_steps=1000), sinks=[reports, AdaTreeMetrics(LABELS, registry)]
+    )
+    for i in range(30):  # the warm-up's round: every shape, each depth's series as it comes
+        ticket = controller.begin(BatchView(("a", "b"), (100 + i, 40 + i)))
+        controller.finish(ticket, outcome(ticket, 10.0 + i, accepted=i % 3, wall_time=i))
+    steps = reports.reports
+    for depth in range(1, 8):
+        offered = sum(
+            r.offered_by_depth[depth - 1] for r in steps if len(r.offered_by_depth) >= depth
+        )
+        accepted = sum(
+            r.accepted_by_depth[depth - 1] for r in steps if len(r.accepted_by_depth) >= depth
+        )
+        assert value(registry, "adatree_offered_tokens_total", depth=str(depth)) == offered
+        assert value(registry, "adatree_accepted_tokens_total", depth=str(depth)) == accepted
+    # Tokens were offered and accepted below the first depth, so the depths are told apart.
+    assert value(registry, "adatree_offered_tokens_total", depth="2") > 0
+    assert value(registry, "adatree_accepted_tokens_total", depth="2") > 0
+    for shape, source in {(r.ticket.decision.shape, r.ticket.decision.source) for r in steps}:
+        count = sum(
+            1
+            for r in steps
+            if (r.ticket.decision.shape, r.ticket.decision.source) == (shape, source)
+        )
+        assert value(registry, "adatree_steps_total", shape=str(shape), source=str(source)) == count
+    last = steps[-1]
+    assert value(registry, "adatree_current_shape", field="topk") == last.ticket.decision.shape.topk
+    assert value(registry, "adatree_step_time_ms", kind="measured") == 39.0
+    assert value(registry, "adatree_emitted_tokens_total") == sum(r.emitted_tokens for r in steps)
 
 
 def test_telemetry_series_follow_the_writer_through_an_outage(sqlite_url, open_writer):

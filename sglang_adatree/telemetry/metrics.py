@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
@@ -31,6 +33,26 @@ from sglang_adatree.telemetry.writer import WriterStats
 
 PREFIX = "adatree"
 SAMPLE_EVERY_S = 1.0
+
+
+@dataclass
+class _Children:
+    """The labelled series a decode step updates; those per shape and per depth are added
+    as steps first need them (labelling one exports it)."""
+
+    decode_steps: Any
+    verify_steps: Any
+    emitted_tokens: Any
+    step_seconds: Any
+    drafted_tokens: Any
+    shape_steps: Any
+    shape_topk: Any
+    shape_num_draft_tokens: Any
+    measured_ms: Any
+    predicted_ms: Any
+    per_shape: dict[Any, Any] = field(default_factory=dict)  # by (shape, decision source)
+    offered: list[Any] = field(default_factory=list)  # by depth - 1
+    accepted: list[Any] = field(default_factory=list)
 
 
 class AdaTreeMetrics:
@@ -130,6 +152,7 @@ class AdaTreeMetrics:
             "1 while the telemetry writer's latest write failed and none has succeeded since",
         )
         self._sampled = WriterStats(0, 0, 0, 0, 0, 0, None)
+        self._children: _Children | None = None  # labelled at the first step
         # Series without labels of their own are exported at 0 from the start: a counter that
         # appears only at its first event has no rate over the window before it.
         unlabelled = (
@@ -150,29 +173,56 @@ class AdaTreeMetrics:
 
     def step_finished(self, report: StepReport) -> None:
         """Record one decode step (called once its results are on the CPU)."""
-        lv = self.labels
+        c = self._children or self._first_children()
         decision = report.ticket.decision
         shape = decision.shape
-        self.decode_steps.labels(**lv).inc()
+        c.decode_steps.inc()
         if shape.speculative:
-            self.verify_steps.labels(**lv).inc()
-        self.emitted_tokens.labels(**lv).inc(report.emitted_tokens)
+            c.verify_steps.inc()
+        c.emitted_tokens.inc(report.emitted_tokens)
         if report.outcome.measured_ms > 0:  # a step without a measured time adds none (or NaN)
-            self.step_seconds.labels(**lv).inc(report.outcome.measured_ms / 1000.0)
-        self.drafted_tokens.labels(**lv).inc(report.drafted_tokens)
-        self.steps_per_shape.labels(**lv, shape=str(shape), source=str(decision.source)).inc()
+            c.step_seconds.inc(report.outcome.measured_ms / 1000.0)
+        c.drafted_tokens.inc(report.drafted_tokens)
+        source = decision.source
+        per_shape = c.per_shape.get((shape, source))
+        if per_shape is None:
+            per_shape = c.per_shape[shape, source] = self.steps_per_shape.labels(
+                **self.labels, shape=str(shape), source=str(source)
+            )
+        per_shape.inc()
         for depth, (offered, accepted) in enumerate(
             zip(report.offered_by_depth, report.accepted_by_depth, strict=False), start=1
         ):
+            if depth > len(c.offered):
+                c.offered.append(self.offered_tokens.labels(**self.labels, depth=str(depth)))
+                c.accepted.append(self.accepted_tokens.labels(**self.labels, depth=str(depth)))
             if offered:
-                self.offered_tokens.labels(**lv, depth=str(depth)).inc(offered)
+                c.offered[depth - 1].inc(offered)
             if accepted:
-                self.accepted_tokens.labels(**lv, depth=str(depth)).inc(accepted)
-        self.shape.labels(**lv, field="steps").set(shape.steps)
-        self.shape.labels(**lv, field="topk").set(shape.topk)
-        self.shape.labels(**lv, field="num_draft_tokens").set(shape.num_draft_tokens)
-        self.step_ms.labels(**lv, kind="measured").set(report.outcome.measured_ms)
-        self.step_ms.labels(**lv, kind="predicted").set(decision.predicted_ms)
+                c.accepted[depth - 1].inc(accepted)
+        c.shape_steps.set(shape.steps)
+        c.shape_topk.set(shape.topk)
+        c.shape_num_draft_tokens.set(shape.num_draft_tokens)
+        c.measured_ms.set(report.outcome.measured_ms)
+        c.predicted_ms.set(decision.predicted_ms)
+
+    def _first_children(self) -> _Children:
+        """The series a step writes, labelled once: in multiprocess mode (SGLang's) each
+        ``labels()`` call takes the metric's lock and builds its key, most of a step's cost."""
+        lv = self.labels
+        self._children = _Children(
+            decode_steps=self.decode_steps.labels(**lv),
+            verify_steps=self.verify_steps.labels(**lv),
+            emitted_tokens=self.emitted_tokens.labels(**lv),
+            step_seconds=self.step_seconds.labels(**lv),
+            drafted_tokens=self.drafted_tokens.labels(**lv),
+            shape_steps=self.shape.labels(**lv, field="steps"),
+            shape_topk=self.shape.labels(**lv, field="topk"),
+            shape_num_draft_tokens=self.shape.labels(**lv, field="num_draft_tokens"),
+            measured_ms=self.step_ms.labels(**lv, kind="measured"),
+            predicted_ms=self.step_ms.labels(**lv, kind="predicted"),
+        )
+        return self._children
 
     def steps_unfinished(self, count: int) -> None:
         self.unfinished_steps.labels(**self.labels).inc(count)
