@@ -6,12 +6,19 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
+from sglang_adatree.cli import main
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, TreeShape
 from sglang_adatree.telemetry.models import AuditLog, PinRow
 from sglang_adatree.telemetry.store import session_scope
-from sglang_adatree.tools.bench.configurations import parse_configurations
+from sglang_adatree.tools.bench.configurations import parse_configurations, with_instances
 from sglang_adatree.tools.bench.databases import PIN_ACTOR, database_url, prepare_database
-from sglang_adatree.tools.bench.paired import Sample, request_order, summarize, table_lines
+from sglang_adatree.tools.bench.paired import (
+    Sample,
+    instance_lines,
+    request_order,
+    summarize,
+    table_lines,
+)
 
 
 def test_the_order_reverses_every_prompt():
@@ -117,3 +124,41 @@ def test_databases_shared_separate_and_pinned(tmp_path):
     prepare_database(shared, ada)  # migrated, nothing pinned
     with session_scope(shared) as session:
         assert session.execute(select(PinRow)).scalars().all() == []
+
+
+def test_every_configuration_served_by_several_servers_each_its_own(tmp_path):
+    configs = parse_configurations(["static:2,2,4", "adatree@2,2,4"], "eagle", DEFAULT_CANDIDATES)
+    served = with_instances(configs, 2)
+    assert [c.name for c in served] == [
+        "static:2,2,4", "static:2,2,4#2", "adatree@2,2,4", "adatree@2,2,4#2",
+    ]  # fmt: skip
+    assert with_instances(configs, 1) == configs
+    with pytest.raises(ValueError, match="at least 1"):
+        with_instances(configs, 0)
+    first, twin = served[2:]
+    assert twin.pin == first.pin == TreeShape(2, 2, 4) and twin.kind == first.kind
+    # The twin gets a database of its own, holding the same pin.
+    urls = {database_url(c, tmp_path, None) for c in served}
+    assert len(urls) == 4 and all("#" not in u for u in urls)
+    prepare_database(database_url(twin, tmp_path, None), twin)
+    with session_scope(database_url(twin, tmp_path, None)) as session:
+        (pin,) = session.execute(select(PinRow)).scalars().all()
+    assert TreeShape(pin.steps, pin.topk, pin.num_draft_tokens) == TreeShape(2, 2, 4)
+
+
+def test_the_servers_of_one_configuration_show_their_spread():
+    names = ["ar", "b", "b#2", "c"]
+    samples = [
+        sample(p, name, tpot)
+        for p in range(3)
+        for name, tpot in (("ar", 100.0), ("b", 90.0), ("b#2", 95.0), ("c", 80.0))
+    ]
+    summaries = summarize([(n, n) for n in names], samples)
+    (line,) = instance_lines(summaries)
+    assert line.startswith("b: 2 servers, TPOT / ar 0.900x-0.950x, latency ")
+    assert instance_lines(summarize([("ar", "ar"), ("c", "c")], samples)) == []
+
+
+def test_compare_refuses_fewer_than_one_server_a_configuration():
+    with pytest.raises(SystemExit, match="--instances must be >= 1"):
+        main(["compare", "--instances", "0"])

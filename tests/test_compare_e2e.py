@@ -2,7 +2,8 @@
 decoding, SGLang's STANDALONE worker at 3,1,4 and adatree pinned to 3,1,4 through a pin in its
 own telemetry database), the prompts sent to each in turn; the answers must be identical and
 the pinned server must have run the pinned shape on every step; SGLang's stage clock is read
-from each server."""
+from each server. And one pinned configuration on two servers (``--instances 2``): each with its
+own database and pin, the second's answers identical to the first's."""
 
 from __future__ import annotations
 
@@ -87,4 +88,46 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
         ).all()
     assert steps and set(steps) == {(3, 1, 4, "pin")}
     assert not (work / "telemetry.sqlite").exists()
+    assert processes_with_env(marker) == []
+
+
+@pytest.mark.timeout(900)
+def test_two_servers_of_one_pinned_configuration_each_keep_their_own_pin(tiny_models, tmp_path):
+    prompts = tmp_path / "tiny-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    out, work = tmp_path / "compare.json", tmp_path / "work"
+    command = [
+        str(Path(sys.executable).parent / "adatree"),
+        "compare",
+        "--target", str(tiny_models.target),
+        "--draft", str(tiny_models.draft),
+        "--policies", "adatree@3,1,4",
+        "--instances", "2",
+        "--candidate-shapes", "0;1,1,2;3,1,4",
+        "--prompts", str(prompts),
+        "--num-requests", "2",
+        "--new-tokens", str(NEW_TOKENS),
+        "--warmup-requests", "1",
+        "--max-total-tokens", "4096",
+        "--work-dir", str(work),
+        "--out", str(out),
+        "--quiet",
+    ]  # fmt: skip
+    marker = f"ADATREE_COMPARE_TEST={tmp_path}"
+    env = {**os.environ, "ADATREE_COMPARE_TEST": str(tmp_path)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    names = [s["name"] for s in result["summary"]]
+    assert names == ["adatree@3,1,4", "adatree@3,1,4#2"]
+    twin = result["summary"][1]
+    assert twin["identical"] == twin["compared"] == 2 and twin["errors"] == 0
+    assert "adatree@3,1,4: 2 servers, TPOT / adatree@3,1,4" in done.stdout
+    for db in ("telemetry-adatree@3,1,4.sqlite", "telemetry-adatree@3,1,4-2.sqlite"):
+        with session_scope(f"sqlite:///{work / db}") as session:
+            steps = session.execute(
+                select(Step.steps, Step.topk, Step.num_draft_tokens, Step.decision_source)
+            ).all()
+        assert steps and set(steps) == {(3, 1, 4, "pin")}, db
     assert processes_with_env(marker) == []

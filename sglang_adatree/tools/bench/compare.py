@@ -34,9 +34,14 @@ from sglang_adatree.tools.bench.commands import (
     resolve_profile,
     split_items,
 )
-from sglang_adatree.tools.bench.configurations import ServerSettings, parse_configurations
+from sglang_adatree.tools.bench.configurations import (
+    ServerSettings,
+    parse_configurations,
+    with_instances,
+)
 from sglang_adatree.tools.bench.paired import (
     PairedPlan,
+    instance_lines,
     machine_load,
     run_paired,
     summarize,
@@ -85,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "field (default mtbench)",
     )
     add_profile_argument(p)
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="servers per configuration, side by side (the k-th named NAME#k): the spread "
+        "between servers of one configuration, which one server each cannot show (default 1; "
+        "each server holds its own copy of the models in memory)",
+    )
     p.add_argument("--num-requests", type=int, default=12, help="prompts, each sent to all")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per answer, EOS ignored")
     p.add_argument("--warmup-requests", type=int, default=2, help="unmeasured requests first")
@@ -117,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace) -> PairedPlan:
     if args.num_requests < 1 or args.new_tokens < 2:
         raise SystemExit("adatree compare: --num-requests must be >= 1 and --new-tokens >= 2")
+    if args.instances < 1:
+        raise SystemExit("adatree compare: --instances must be >= 1")
     models = resolve_models(args)
     try:
         candidates = parse_candidates(args.candidate_shapes) if args.candidate_shapes else None
@@ -131,8 +146,12 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
         allocator.chosen_allocator(os.environ)
     except (ShapeError, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"adatree compare: {exc}") from None
-    if len(configs) < 2:
-        raise SystemExit("adatree compare: --policies needs at least two configurations")
+    if len(configs) < 2 and args.instances < 2:
+        raise SystemExit(
+            "adatree compare: --policies needs at least two configurations "
+            "(or one with --instances 2 or more)"
+        )
+    configs = with_instances(configs, args.instances)
     extra = tuple(args.server_arg)
     if args.stage_clock and METRICS_FLAG not in extra:
         extra += (METRICS_FLAG,)
@@ -169,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
     load = (load_before + machine_load()) / 2.0
     minutes = (time.time() - started) / 60.0
     print("\n".join(table_lines(summaries)))
+    spread = instance_lines(summaries)
+    if spread:
+        print("\n" + "\n".join(spread))
     print(
         f"\n{plan.workload.name}: {len(plan.workload)} prompts x {plan.new_tokens} tokens, "
         f"order reversed every prompt; TPOT / {summaries[0].name}: median of per-prompt ratios "

@@ -36,6 +36,7 @@ code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -54,6 +55,8 @@ ADAPTIVE_POLICIES = ("adatree", "turbospec", "sglang-adaptive")
 SGLANG_DEFAULT_SHAPES = {"standalone": TreeShape(3, 1, 4), "eagle": TreeShape(5, 4, 8)}
 SGLANG_ALGORITHMS = {"standalone": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
 # What every CPU server gets besides --device cpu (`adatree serve` adds the same on a CPU).
+# ``adatree compare --instances``: the k-th server of a configuration is named ``NAME#k``.
+INSTANCE_MARK = "#"
 CPU_SERVER_FLAGS = ("--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32")
 # The static sweep: chains and trees around SGLang's defaults, all inside the default envelope.
 DEFAULT_SWEEP: tuple[TreeShape, ...] = (
@@ -115,7 +118,7 @@ class Configuration:
     @property
     def slug(self) -> str:
         """The name as a file-name part."""
-        return self.name.replace(":", "_").replace(";", "+")
+        return self.name.replace(":", "_").replace(";", "+").replace(INSTANCE_MARK, "-")
 
     def label(self, models: Models) -> str:
         """The name with how it was run: shows which baselines are re-implementations."""
@@ -203,6 +206,25 @@ class Configuration:
             env["ADATREE_POLICY"] = str(self.policy)
             env["ADATREE_RECORD_STEPS"] = "true"
         return env
+
+
+def with_instances(configs: Sequence[Configuration], instances: int) -> list[Configuration]:
+    """Each configuration served by ``instances`` servers: the first under its name, the k-th
+    as ``NAME#k``, next to it. Two servers of one configuration differ in speed by a few
+    percent, so one server each cannot tell configurations apart by less than that; several
+    show the spread. ``ValueError`` for fewer than one."""
+    if instances < 1:
+        raise ValueError(f"instances must be at least 1, got {instances}")
+    return [
+        config if k == 1 else dataclasses.replace(config, name=f"{config.name}{INSTANCE_MARK}{k}")
+        for config in configs
+        for k in range(1, instances + 1)
+    ]
+
+
+def instance_base(name: str) -> str:
+    """The configuration a server's name belongs to: ``NAME#k`` -> ``NAME``."""
+    return name.split(INSTANCE_MARK, 1)[0]
 
 
 def chains_of(candidates: Sequence[TreeShape]) -> tuple[TreeShape, ...]:

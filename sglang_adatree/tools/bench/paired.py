@@ -39,7 +39,12 @@ import requests
 from tqdm import tqdm
 
 from sglang_adatree.tools.bench.client import stream_generate
-from sglang_adatree.tools.bench.configurations import Configuration, Models, ServerSettings
+from sglang_adatree.tools.bench.configurations import (
+    Configuration,
+    Models,
+    ServerSettings,
+    instance_base,
+)
 from sglang_adatree.tools.bench.databases import database_url, prepare_database
 from sglang_adatree.tools.bench.runner import ChatFormatter, warm_up
 from sglang_adatree.tools.bench.servers import Server, ServerError, free_port, running_server
@@ -106,6 +111,26 @@ class ConfigSummary:
     accept_len: float | None  # tokens after the first / verify steps; None: SGLang counted none
     identical: int  # answers identical to the reference's
     compared: int  # answers compared with the reference's (both without error)
+
+
+def instance_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
+    """For each configuration served by several servers (``--instances``), the range of its
+    servers' paired ratios to the reference: how far one server of it can be trusted."""
+    groups: dict[str, list[ConfigSummary]] = {}
+    for s in summaries:
+        groups.setdefault(instance_base(s.name), []).append(s)
+    lines = []
+    for base, group in groups.items():
+        tpot = [s.tpot_ratio for s in group if s.tpot_ratio is not None]
+        latency = [s.latency_ratio for s in group if s.latency_ratio is not None]
+        if len(group) < 2 or not tpot:
+            continue
+        reference = summaries[0].name
+        line = f"{base}: {len(group)} servers, TPOT / {reference} {min(tpot):.3f}x-{max(tpot):.3f}x"
+        if latency:
+            line += f", latency {min(latency):.3f}x-{max(latency):.3f}x"
+        lines.append(line)
+    return lines
 
 
 def request_order(prompt: int, names: Sequence[str]) -> list[str]:
