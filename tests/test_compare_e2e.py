@@ -26,34 +26,44 @@ NEW_TOKENS = 12
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "def add(a, b):"]
 
 
-@pytest.mark.timeout(900)
-def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
-    prompts = tmp_path / "tiny-prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+def compare(tiny_models, tmp_path, prompts: list[str], *arguments: str):
+    """Run ``adatree compare`` on the tiny models with ``arguments``; its process, its JSON
+    result, the work directory and the marker its servers' environment carries."""
+    prompt_file = tmp_path / "tiny-prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out, work = tmp_path / "compare.json", tmp_path / "work"
     command = [
         str(Path(sys.executable).parent / "adatree"),
         "compare",
         "--target", str(tiny_models.target),
         "--draft", str(tiny_models.draft),
-        "--policies", "ar,static:3,1,4,adatree@3,1,4",
         "--candidate-shapes", "0;1,1,2;3,1,4",
-        "--prompts", str(prompts),
-        "--num-requests", "3",
+        "--prompts", str(prompt_file),
+        "--num-requests", str(len(prompts)),
         "--new-tokens", str(NEW_TOKENS),
         "--warmup-requests", "1",
         "--max-total-tokens", "4096",
         "--work-dir", str(work),
         "--out", str(out),
-        "--stage-clock",
         "--quiet",
+        *arguments,
     ]  # fmt: skip
-    marker = f"ADATREE_COMPARE_TEST={tmp_path}"
     env = {**os.environ, "ADATREE_COMPARE_TEST": str(tmp_path)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(out.read_text()), work, f"ADATREE_COMPARE_TEST={tmp_path}"
 
-    result = json.loads(out.read_text())
+
+@pytest.mark.timeout(900)
+def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
+    done, result, work, marker = compare(
+        tiny_models,
+        tmp_path,
+        PROMPTS,
+        "--policies",
+        "ar,static:3,1,4,adatree@3,1,4",
+        "--stage-clock",
+    )
     names = [s["name"] for s in result["summary"]]
     assert names == ["ar", "static:3,1,4", "adatree@3,1,4"]
     samples = result["samples"]
@@ -93,32 +103,9 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_two_servers_of_one_pinned_configuration_each_keep_their_own_pin(tiny_models, tmp_path):
-    prompts = tmp_path / "tiny-prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    out, work = tmp_path / "compare.json", tmp_path / "work"
-    command = [
-        str(Path(sys.executable).parent / "adatree"),
-        "compare",
-        "--target", str(tiny_models.target),
-        "--draft", str(tiny_models.draft),
-        "--policies", "adatree@3,1,4",
-        "--instances", "2",
-        "--candidate-shapes", "0;1,1,2;3,1,4",
-        "--prompts", str(prompts),
-        "--num-requests", "2",
-        "--new-tokens", str(NEW_TOKENS),
-        "--warmup-requests", "1",
-        "--max-total-tokens", "4096",
-        "--work-dir", str(work),
-        "--out", str(out),
-        "--quiet",
-    ]  # fmt: skip
-    marker = f"ADATREE_COMPARE_TEST={tmp_path}"
-    env = {**os.environ, "ADATREE_COMPARE_TEST": str(tmp_path)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    result = json.loads(out.read_text())
+    done, result, work, marker = compare(
+        tiny_models, tmp_path, PROMPTS[:2], "--policies", "adatree@3,1,4", "--instances", "2"
+    )
     names = [s["name"] for s in result["summary"]]
     assert names == ["adatree@3,1,4", "adatree@3,1,4#2"]
     twin = result["summary"][1]

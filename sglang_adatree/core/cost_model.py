@@ -296,7 +296,8 @@ class OnlineCostModel:
         )
 
     def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` uncorrected predictions (read only: the last one is kept)."""
+        """``[len(shapes)]`` uncorrected predictions; the row is kept for the step's observation,
+        so read it, do not write to it."""
         features = self.at_floor(features)
         last = self._last
         if last is not None and last[1] is shapes and last[0] == features:
