@@ -146,12 +146,12 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
         allocator.chosen_allocator(os.environ)
     except (ShapeError, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"adatree compare: {exc}") from None
-    if len(configs) < 2 and args.instances < 2:
+    configs = with_instances(configs, args.instances)
+    if len(configs) < 2:
         raise SystemExit(
             "adatree compare: --policies needs at least two configurations "
             "(or one with --instances 2 or more)"
         )
-    configs = with_instances(configs, args.instances)
     extra = tuple(args.server_arg)
     if args.stage_clock and METRICS_FLAG not in extra:
         extra += (METRICS_FLAG,)

@@ -119,13 +119,13 @@ def instance_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
     groups: dict[str, list[ConfigSummary]] = {}
     for s in summaries:
         groups.setdefault(instance_base(s.name), []).append(s)
+    reference = summaries[0].name if summaries else ""
     lines = []
     for base, group in groups.items():
         tpot = [s.tpot_ratio for s in group if s.tpot_ratio is not None]
         latency = [s.latency_ratio for s in group if s.latency_ratio is not None]
         if len(group) < 2 or not tpot:
             continue
-        reference = summaries[0].name
         line = f"{base}: {len(group)} servers, TPOT / {reference} {min(tpot):.3f}x-{max(tpot):.3f}x"
         if latency:
             line += f", latency {min(latency):.3f}x-{max(latency):.3f}x"
