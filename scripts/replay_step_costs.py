@@ -35,7 +35,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from sglang_adatree.config import AdaTreeConfig, ConfigError
-from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel
+from sglang_adatree.core.cost_model import starting_cost_model
 from sglang_adatree.core.features import NO_GRAPHS, StepFeatures
 from sglang_adatree.core.policy import DecisionSource, teaches_cost_model
 from sglang_adatree.core.refit import MeasuredSteps
@@ -73,7 +73,7 @@ def replay(
     if config.step_time_profile:
         # The server priced by the deployment's profile and never refitted it.
         profile = load_profile_step_time(config.step_time_profile, shapes)
-    model = OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay)
+    model = starting_cost_model(config.residual_decay, profile)
     held: np.ndarray | None = None  # [shapes] ms, as of a catch-up step
     for row in rows:
         if row.policy_version is not None:

@@ -182,6 +182,25 @@ def test_bad_residual_decay():
         ResidualCorrection(0.0)
     with pytest.raises(ValueError, match="decay"):
         ResidualCorrection(1.5)
+    for error in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="profile's error"):
+            ResidualCorrection(0.1, profile_error=error)
+
+
+@pytest.mark.parametrize("noise", [0.02, 0.17])
+def test_the_filter_estimates_a_steps_noise_from_its_surprises(noise):
+    # Steps of two shapes, each off the model by its own factor, the machine drifting slowly,
+    # every step's log time off by ``noise``: the estimate lands within 20% of the truth on a
+    # GPU's noise and on this CPU's alike.
+    rng = np.random.default_rng(3)
+    residual = ResidualCorrection(0.05)
+    shapes, off = (TreeShape(2, 2, 4), TreeShape(1, 1, 2)), (1.2, 0.9)
+    for t in range(3000):
+        i = 1 if t % 10 == 0 else 0
+        drift = 0.1 * math.sin(t / 500.0)
+        ms = 100.0 * off[i] * math.exp(drift + noise * rng.standard_normal())
+        residual.update(shapes[i], ms, 100.0)
+    assert residual.noise_var == pytest.approx(noise * noise, rel=0.2)
 
 
 def test_replay_is_observing_in_order():

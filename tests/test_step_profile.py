@@ -5,6 +5,7 @@ step controller given a profile prices by it and never refits it away."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from test_controller import Batch, config, outcome
 
 from sglang_adatree.cli import main
 from sglang_adatree.core.controller import ControlUpdate, ModelSource, StepController
-from sglang_adatree.core.cost_model import OnlineCostModel
+from sglang_adatree.core.cost_model import PROFILE_ERROR, OnlineCostModel
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures, feature_matrix
 from sglang_adatree.core.policy import DecisionSource, Pin
 from sglang_adatree.core.refit import FIRST_REFIT_ROWS, REFIT_EVERY_ROWS
@@ -140,6 +141,50 @@ def test_a_controller_with_a_profile_prices_by_it_and_never_refits():
     later = StepFeatures(1, 1, 700, 700)
     predicted = controller.policy.cost_model.predict_ms_many(later, SHAPES)
     assert predicted == pytest.approx([1.3 * table.step_ms(later, s) for s in SHAPES], rel=0.02)
+
+
+def _moved_by_slow_explorations(noise: float, profile_error: float | None) -> float:
+    """How far three exploring steps of a shape, 40% over its price in slow moments of the
+    machine, move its price, while another shape runs at its own price with ``noise``."""
+    rng = np.random.default_rng(5)
+    table = profile()
+    running, explored = SHAPES[2], SHAPES[1]
+    features = StepFeatures(1, 1, 100, 100)
+    cost = OnlineCostModel(ProfileStepTime(table), 0.05, profile_error=profile_error)
+    for i in range(120):
+        ms = table.step_ms(features, running) * math.exp(noise * rng.standard_normal())
+        cost.observe(features, running, ms)
+        if i in (60, 80, 100):
+            cost.observe(features, explored, 1.4 * table.step_ms(features, explored))
+    return cost.predict_ms(features, explored) / table.step_ms(features, explored) - 1.0
+
+
+def test_a_profile_is_worth_more_of_a_shapes_steps_the_noisier_they_are():
+    # On this CPU's noise (17%) the profile's standing of a shape, 3% off, outweighs a few
+    # slow steps of it; a default model's view of it (worth 4 steps) does not. Under a GPU's
+    # noise (2%) a step is as sure as the profile: the profile is worth one step and the same
+    # steps move its price further than the default model's. Without the estimated noise, or
+    # with the first measured shape left at the worth of an unknown noise, the first holds
+    # no more.
+    moved = {
+        (noise, error): _moved_by_slow_explorations(noise, error)
+        for noise in (0.17, 0.02)
+        for error in (PROFILE_ERROR, None)
+    }
+    assert moved[0.17, PROFILE_ERROR] < 0.6 * moved[0.17, None]
+    assert moved[0.02, PROFILE_ERROR] > moved[0.02, None]
+
+
+def test_a_controller_prices_by_its_profile_as_a_measured_profile():
+    model = ProfileStepTime(profile())
+    controller = StepController(config(skip_idle_draft_extend=False), profile=model)
+    assert controller.policy.cost_model.residual.profile_error == PROFILE_ERROR
+    _run(controller, 40, lambda t: 100.0)
+    rollback = controller.refit(force=True)
+    assert rollback is not None
+    assert rollback.cost_model.residual.profile_error == PROFILE_ERROR
+    refitted = StepController(config(skip_idle_draft_extend=False))
+    assert refitted.policy.cost_model.residual.profile_error is None
 
 
 def test_a_controller_with_a_profile_runs_no_warm_up():

@@ -45,7 +45,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats, accepted_counts
-from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, StepTimeModel
+from sglang_adatree.core.cost_model import OnlineCostModel, StepTimeModel, starting_cost_model
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures
 from sglang_adatree.core.policy import (
     Decision,
@@ -244,7 +244,7 @@ class StepController:
             # The warm-up measures what the profile already priced: at start-up it would only
             # run slow shapes (docs/notes/2026-12-04-no-warm-up-under-a-profile.md).
             config if profile is None else config.replace(warmup_steps=0),
-            OnlineCostModel(profile or AnalyticStepTime(), config.residual_decay),
+            starting_cost_model(config.residual_decay, profile),
             AcceptanceEstimator.from_config(config),
         )
         self.measured = MeasuredSteps(

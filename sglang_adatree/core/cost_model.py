@@ -19,7 +19,8 @@ proportion to how little each is known:
 
 * at the start the drift is unknown (the default model may be a GPU's costs on a CPU, ten times
   off) and a shape's part is near the model's view of the shape (which counts as
-  ``PRIOR_STEPS`` of the shape's steps), so the first steps set the drift;
+  ``PRIOR_STEPS`` of the shape's steps; a measured profile of the deployment as many as its
+  error is smaller than a step's noise, below), so the first steps set the drift;
 * between steps the drift walks (the machine changes; the walk is set so that while one shape
   runs, a step moves the drift by about ``DRIFT_GAIN_RATIO * residual_decay`` of its surprise)
   and every part walks far slower (``PART_WALK``), so a shape's standing against the others goes
@@ -31,7 +32,14 @@ proportion to how little each is known:
 
 Every variance is in units of one step's noise, which then drops out of every gain: a step
 moves the estimates as far on the 2-core CPU, whose steps stray by 17% (docs/lab.md), as on a
-GPU, whose steps stray by a few percent.
+GPU, whose steps stray by a few percent. What a measured profile (``step_profile``) knows of a
+shape is the exception: its error (``PROFILE_ERROR``) is a fraction of the step time whatever
+the platform, so in noise units it is worth ``(noise / PROFILE_ERROR)^2`` of a shape's steps,
+about 25 on this CPU and 1 on a GPU. The filter estimates the noise from its own surprises
+(``noise_var``) and gives a profile-priced shape that worth at its first measured step (the
+shapes measured before the estimate settled, at ``NOISE_SETTLED`` steps, then). A
+profile worth a fixed 16 steps held its price against a few slow exploring steps on the CPU but
+cost the GPU scenarios more (docs/notes/2026-12-05-a-profile-worth-the-platforms-noise.md).
 
 The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
 only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
@@ -76,6 +84,18 @@ MAX_DRIFT_GAIN = 0.9
 # costs, ten times off on a CPU).
 PRIOR_STEPS = 4.0
 DRIFT_PRIOR = 1.0e4
+# A measured profile's error, as a fraction of a step's time: the lab's profiled start draws
+# each cell 3% off, and the CPU profile priced a served run's steps within 3.8%.
+PROFILE_ERROR = 0.03
+# A profile-priced shape is worth between 1 and 64 of its steps: never less than a step, and
+# not so many that a shape the profile got wrong takes hundreds of steps to correct.
+PROFILE_WORTH_RANGE = (1.0, 64.0)
+# The noise is estimated from the steps whose predicted variance is under this, in noise units
+# (state known to within about a step's noise), with each step's weight at least
+# ``NOISE_MIN_WEIGHT`` (the estimate follows the last ~50 such steps once it has seen that many).
+NOISE_WELL_KNOWN = 2.0
+NOISE_MIN_WEIGHT = 0.02
+NOISE_SETTLED = 20
 # A part's walk per step: after a thousand steps without running, a shape's standing is as
 # uncertain as one step of it.
 PART_WALK = 0.001
@@ -177,10 +197,19 @@ class ResidualCorrection:
     """A Kalman filter over ``log(measured / predicted)``: the drift common to every shape and
     one part per shape; see the module docstring."""
 
-    def __init__(self, decay: float) -> None:
+    def __init__(self, decay: float, profile_error: float | None = None) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"residual decay must be in (0, 1], got {decay}")
+        if profile_error is not None and not 0.0 < profile_error < 1.0:
+            raise ValueError(f"a profile's error must be in (0, 1), got {profile_error}")
         self.decay = decay
+        # None: the step-time model's view of a shape is worth ``PRIOR_STEPS`` of its steps.
+        # Otherwise the model is a measured profile this far off a step's time (a fraction).
+        self.profile_error = profile_error
+        # The step's noise, the variance of log(measured / predicted) of one step; until the
+        # first well-known steps, what makes a profile worth ``PRIOR_STEPS`` of a shape's steps.
+        self.noise_var = PRIOR_STEPS * (profile_error or PROFILE_ERROR) ** 2
+        self._noise_steps = 0
         gain = min(MAX_DRIFT_GAIN, DRIFT_GAIN_RATIO * decay)
         # The walk whose steady gain, for one shape running, is ``gain``.
         self.drift_walk = gain * gain / (1.0 - gain)
@@ -211,22 +240,47 @@ class ResidualCorrection:
         i = self._at(shape)
         x, cov = self._x, self._cov
         n = len(x)
+        if self.profile_error is not None and shape not in self._measured:
+            # The profile's view of the shape, worth as many of its steps as the noise is
+            # larger than the profile's error. Its covariances are still 0: a shape's part
+            # moves only once the shape is measured.
+            cov[i, i] = self._profile_var()
         # Time passes: the drift and every part walk.
         cov[0, 0] += self.drift_walk
         cov.flat[n + 1 :: n + 1] += PART_WALK
         # The step measures drift + part i, and its own noise (variance 1).
         row = cov[0] + cov[i]  # [n] covariance of every state with the measured sum
-        gain = row / (row[0] + row[i] + 1.0)  # [n]
-        x += gain * (ratio - x[0] - x[i])
+        predicted_var = row[0] + row[i] + 1.0  # of the surprise, in noise units
+        surprise = ratio - x[0] - x[i]
+        if predicted_var < NOISE_WELL_KNOWN:
+            # The surprise's variance is the noise's times ``predicted_var``.
+            self._noise_steps += 1
+            weight = max(NOISE_MIN_WEIGHT, 1.0 / self._noise_steps)
+            self.noise_var += weight * (surprise * surprise / predicted_var - self.noise_var)
+            if self._noise_steps == NOISE_SETTLED and self.profile_error is not None:
+                self._settle_profile_parts()
+        gain = row / predicted_var  # [n]
+        x += gain * surprise
         cov -= np.outer(gain, row)
         self._measured[shape] = self._measured.get(shape, 0) + 1
         if self._cached_shapes is not None:
             np.exp(x[0] + x[self._cached_at], out=self._cached_factors)
 
-    @property
-    def drift_factor(self) -> float:
-        """The multiplicative correction common to every shape."""
-        return math.exp(self._x[0])
+    def _profile_var(self) -> float:
+        """A profile-priced part's variance, in noise units, before its shape is measured."""
+        worth = self.noise_var / (self.profile_error or PROFILE_ERROR) ** 2
+        return 1.0 / min(max(worth, PROFILE_WORTH_RANGE[0]), PROFILE_WORTH_RANGE[1])
+
+    def _settle_profile_parts(self) -> None:
+        """The parts of the shapes measured before the noise was known took the worth of an
+        unknown noise: each is shrunk to what the profile is worth now, its correlations with
+        the other states kept (a congruence, so the covariance stays positive)."""
+        cov, target = self._cov, self._profile_var()
+        for i in self._position.values():
+            if cov[i, i] > target:
+                f = math.sqrt(target / cov[i, i])
+                cov[i, :] *= f
+                cov[:, i] *= f
 
     def factor(self, shape: TreeShape) -> float:
         i = self._position.get(shape)
@@ -250,6 +304,8 @@ class OnlineCostModel:
 
     With a ``table``, predictions for the table's own shape tuple and batches inside its grid
     are table lookups (microseconds); anything else is predicted directly by ``step_time``.
+    ``profile_error``: ``step_time`` is a measured profile of the deployment, this far off a
+    step's time (``ResidualCorrection``); ``starting_cost_model`` sets it for a profile.
     """
 
     def __init__(
@@ -258,10 +314,11 @@ class OnlineCostModel:
         residual_decay: float,
         table: CostTable | None = None,
         batch_floor: StepFeatures | None = None,
+        profile_error: float | None = None,
     ) -> None:
         self.step_time = step_time
         self.table = table
-        self.residual = ResidualCorrection(residual_decay)
+        self.residual = ResidualCorrection(residual_decay, profile_error)
         # The smallest batch the step-time model was fitted on (its batch and padded batch
         # sizes): a smaller batch is priced as that one (``at_floor``).
         self.batch_floor = batch_floor
@@ -375,3 +432,12 @@ class OnlineCostModel:
                 if row is not None:
                     return float(row[i])
         return float(self._raw_row(features, (shape,))[0])
+
+
+def starting_cost_model(residual_decay: float, profile: StepTimeModel | None) -> OnlineCostModel:
+    """The cost model a step controller starts with, or hands back on a rollback: the
+    deployment's measured profile (off by ``PROFILE_ERROR``) or, without one, the default
+    analytic model until the first refit."""
+    if profile is None:
+        return OnlineCostModel(AnalyticStepTime(), residual_decay)
+    return OnlineCostModel(profile, residual_decay, profile_error=PROFILE_ERROR)

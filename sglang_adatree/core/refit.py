@@ -33,7 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, StepTimeModel, mape
+from sglang_adatree.core.cost_model import (
+    AnalyticStepTime,
+    OnlineCostModel,
+    StepTimeModel,
+    mape,
+    starting_cost_model,
+)
 from sglang_adatree.core.cost_table import CostTable, TableGrid
 from sglang_adatree.core.features import COLUMN, GraphPadding, StepFeatures, feature_rows
 from sglang_adatree.core.shapes import TreeShape
@@ -148,7 +154,7 @@ class MeasuredSteps:
     def replayed(self, step_time: StepTimeModel) -> OnlineCostModel:
         """``step_time`` (a deployment's profile) with the measured steps' corrections
         replayed; no table, no fit."""
-        cost_model = OnlineCostModel(step_time, self.residual_decay)
+        cost_model = starting_cost_model(self.residual_decay, step_time)
         cost_model.replay(*self.matrix())
         return cost_model
 
