@@ -240,11 +240,12 @@ class ResidualCorrection:
         i = self._at(shape)
         x, cov = self._x, self._cov
         n = len(x)
-        if self.profile_error is not None and shape not in self._measured:
+        error = self.profile_error
+        if error is not None and shape not in self._measured:
             # The profile's view of the shape, worth as many of its steps as the noise is
             # larger than the profile's error. Its covariances are still 0: a shape's part
             # moves only once the shape is measured.
-            cov[i, i] = self._profile_var()
+            cov[i, i] = self._profile_var(error)
         # Time passes: the drift and every part walk.
         cov[0, 0] += self.drift_walk
         cov.flat[n + 1 :: n + 1] += PART_WALK
@@ -257,8 +258,8 @@ class ResidualCorrection:
             self._noise_steps += 1
             weight = max(NOISE_MIN_WEIGHT, 1.0 / self._noise_steps)
             self.noise_var += weight * (surprise * surprise / predicted_var - self.noise_var)
-            if self._noise_steps == NOISE_SETTLED and self.profile_error is not None:
-                self._settle_profile_parts()
+            if self._noise_steps == NOISE_SETTLED and error is not None:
+                self._settle_profile_parts(error)
         gain = row / predicted_var  # [n]
         x += gain * surprise
         cov -= np.outer(gain, row)
@@ -266,16 +267,16 @@ class ResidualCorrection:
         if self._cached_shapes is not None:
             np.exp(x[0] + x[self._cached_at], out=self._cached_factors)
 
-    def _profile_var(self) -> float:
+    def _profile_var(self, error: float) -> float:
         """A profile-priced part's variance, in noise units, before its shape is measured."""
-        worth = self.noise_var / (self.profile_error or PROFILE_ERROR) ** 2
+        worth = self.noise_var / (error * error)
         return 1.0 / min(max(worth, PROFILE_WORTH_RANGE[0]), PROFILE_WORTH_RANGE[1])
 
-    def _settle_profile_parts(self) -> None:
-        """The parts of the shapes measured before the noise was known took the worth of an
-        unknown noise: each is shrunk to what the profile is worth now, its correlations with
-        the other states kept (a congruence, so the covariance stays positive)."""
-        cov, target = self._cov, self._profile_var()
+    def _settle_profile_parts(self, error: float) -> None:
+        """Every part wider than the profile's worth now is shrunk to it: those of the shapes
+        measured before the noise was known took the worth of an unknown noise. Each keeps its
+        correlations with the other states (a congruence, so the covariance stays positive)."""
+        cov, target = self._cov, self._profile_var(error)
         for i in self._position.values():
             if cov[i, i] > target:
                 f = math.sqrt(target / cov[i, i])
