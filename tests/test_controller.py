@@ -3,6 +3,8 @@ refits, and the sinks it reports to."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +99,20 @@ def test_one_report_per_finished_step_with_its_own_numbers():
     assert first.ticket.features.batch_size == 2 and first.ticket.features.sum_context_len == 140
     state = controller.server_state()
     assert state["adatree_steps"] == 5 and state["adatree_unfinished_steps"] == 0
+    assert state["adatree_step_noise"] is None  # too few steps to tell
+
+
+def test_the_server_state_shows_the_step_noise_once_estimated():
+    # Steps of one shape whose time strays by about 10% from one to the next: once the cost
+    # model has seen enough of them, /server_info says so.
+    controller = StepController(config(warmup_steps=0))
+    batch = Batch(60, 80)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ticket = controller.begin(batch.view())
+        report = controller.finish(ticket, outcome(ticket, 50.0 * math.exp(0.1 * rng.normal())))
+        batch.advance(report, ticket)
+    assert controller.server_state()["adatree_step_noise"] == pytest.approx(0.1, rel=0.3)
 
 
 def test_a_lost_completion_is_counted_and_shifts_nothing():

@@ -194,6 +194,7 @@ def test_the_filter_estimates_a_steps_noise_from_its_surprises(noise):
     # GPU's noise and on this CPU's alike.
     rng = np.random.default_rng(3)
     residual = ResidualCorrection(0.05)
+    assert residual.step_noise is None
     shapes, off = (TreeShape(2, 2, 4), TreeShape(1, 1, 2)), (1.2, 0.9)
     for t in range(3000):
         i = 1 if t % 10 == 0 else 0
@@ -201,6 +202,7 @@ def test_the_filter_estimates_a_steps_noise_from_its_surprises(noise):
         ms = 100.0 * off[i] * math.exp(drift + noise * rng.standard_normal())
         residual.update(shapes[i], ms, 100.0)
     assert residual.noise_var == pytest.approx(noise * noise, rel=0.2)
+    assert residual.step_noise == pytest.approx(noise, rel=0.1)
 
 
 def test_replay_is_observing_in_order():

@@ -164,6 +164,8 @@ def test_server_info_and_metrics(adatree):
     assert state["adatree_decision_source"] in {str(s) for s in DecisionSource}
     assert "adatree_policy_version" in state
     assert state["adatree_recent_accept_length"] >= 1.0
+    # None until the cost model has seen enough steps to tell, then a fraction of a step.
+    assert state["adatree_step_noise"] is None or 0.0 < state["adatree_step_noise"] < 5.0
     time.sleep(0.5)  # the writer flushes every 50 ms here
     state = adatree.server_info()["internal_states"][0]
     # Every finished step is a row (nothing dropped, rejected or held on a healthy database).

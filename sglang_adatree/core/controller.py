@@ -418,7 +418,17 @@ class StepController:
             "adatree_unfinished_steps": c.unfinished,
             "adatree_pins": [str(p.shape) for p in self.policy.pins],
             "adatree_candidate_shapes": [str(s) for s in self.candidate_shapes],
+            "adatree_step_noise": self.step_noise,
         }
+
+    @property
+    def step_noise(self) -> float | None:
+        """How far one step's time strays (a fraction), as the cost model has estimated it;
+        None until it has, or under a cost model without a residual correction."""
+        cost_model = self.policy.cost_model
+        if not isinstance(cost_model, OnlineCostModel):
+            return None
+        return cost_model.residual.step_noise
 
     # -- internals --------------------------------------------------------------------------
 

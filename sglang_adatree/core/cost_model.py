@@ -283,6 +283,14 @@ class ResidualCorrection:
                 cov[i, :] *= f
                 cov[:, i] *= f
 
+    @property
+    def step_noise(self) -> float | None:
+        """The estimated noise of one step's time (the standard deviation of its log, about
+        the fraction a step strays by), or None before ``NOISE_SETTLED`` well-known steps."""
+        if self._noise_steps < NOISE_SETTLED:
+            return None
+        return math.sqrt(self.noise_var)
+
     def factor(self, shape: TreeShape) -> float:
         i = self._position.get(shape)
         return math.exp(self._x[0] + (self._x[i] if i is not None else 0.0))
