@@ -34,12 +34,13 @@ Every variance is in units of one step's noise, which then drops out of every ga
 moves the estimates as far on the 2-core CPU, whose steps stray by 17% (docs/lab.md), as on a
 GPU, whose steps stray by a few percent. What a measured profile (``step_profile``) knows of a
 shape is the exception: its error (``PROFILE_ERROR``) is a fraction of the step time whatever
-the platform, so in noise units it is worth ``(noise / PROFILE_ERROR)^2`` of a shape's steps,
-about 25 on this CPU and 1 on a GPU. The filter estimates the noise from its own surprises
-(``noise_var``) and gives a profile-priced shape that worth at its first measured step (the
-shapes measured before the estimate settled, at ``NOISE_SETTLED`` steps, then). A
-profile worth a fixed 16 steps held its price against a few slow exploring steps on the CPU but
-cost the GPU scenarios more (docs/notes/2026-12-05-a-profile-worth-the-platforms-noise.md).
+the platform, so in noise units it is worth ``(noise / PROFILE_ERROR)^2`` of a shape's steps:
+about 25 under a noise of 15%, 1 under a GPU's few percent. The filter estimates the noise
+from its own surprises (``noise_var``) and gives a profile-priced shape that worth at its first
+measured step (the shapes measured before the estimate settled, at ``NOISE_SETTLED`` steps,
+then). A profile worth a fixed 16 steps held its price against a few slow exploring steps on
+the CPU but cost the GPU scenarios more
+(docs/notes/2026-12-05-a-profile-worth-the-platforms-noise.md).
 
 The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
 only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
