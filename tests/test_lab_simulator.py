@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sglang_adatree.config import AdaTreeConfig
@@ -125,10 +125,12 @@ def test_a_static_shape_emits_what_its_traces_say():
     per_pass=st.floats(0.5, 20.0),
     seed=st.integers(0, 1000),
 )
+# The greedy chooser alone trailed static 3,1,4 by 1.003% here.
+@example(top=0.90625, concurrency=3, per_pass=1.0, seed=155)
 def test_the_per_step_oracle_is_at_or_above_every_static_shape(top, concurrency, per_pass, seed):
-    # The per-step oracle is greedy (each step the best rate for the batch in front of it); it
-    # visits other positions than a static shape does, so on a run of a few hundred steps it
-    # may trail one by the luck of those positions, never by more than 1%.
+    # The per-step oracle chooses each step at the run's rate; it visits other positions than a
+    # static shape does, so on a run of a few hundred steps it may trail one by the luck of
+    # those positions, never by more than 1%.
     traces = parametric_traces(
         "p", "pair", SHAPES, {"c": np.array([[top, top / 2]] * 4)}, num_requests=24,
         answer_len=96, seed=seed,

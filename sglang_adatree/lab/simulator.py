@@ -19,8 +19,9 @@ accepted paths of every step. References no real system can run:
 
 * ``static:S,K,N`` and ``ar`` run one shape throughout (``ar`` never drafts);
 * the **oracle static** shape is the best static shape of the scenario in hindsight;
-* the **per-step oracle** picks, each step, the shape with the most true emitted tokens per
-  true step time (speed included, noise not), knowing every request's trace.
+* the **per-step oracle** picks, each step, the shape whose true emitted tokens most exceed what
+  its true step time (speed included, noise not) earns at the run's rate, knowing every
+  request's trace (``oracle_chooser``; ``runner`` finds the rate).
 
 A catch-up step (no speculation, with the draft's extend) costs the step without speculation
 plus half the difference between the one-token chain and no speculation, the profile's best
@@ -231,20 +232,30 @@ def static_chooser(shape: TreeShape) -> Chooser:
     return choose
 
 
-def oracle_chooser(traces: TraceSet, machine: _Machine, shapes: Sequence[TreeShape]) -> Chooser:
-    """Each step the shape with the most true emitted tokens per ms of true step time."""
+def oracle_chooser(
+    traces: TraceSet, machine: _Machine, shapes: Sequence[TreeShape], rate: float = 0.0
+) -> Chooser:
+    """Each step the shape with the most true emitted tokens per ms of true step time; with
+    ``rate`` (tokens per ms, what the run's decode steps earn) the shape whose tokens most
+    exceed what its time would earn at that rate.
+
+    The first is greedy: a step that emits more tokens at a lower rate than the best step's,
+    but above the run's, shortens the run, and the greedy chooser never takes it. The second is
+    Dinkelbach's step for a ratio: it takes the step that adds the most tokens beyond what its
+    time costs at the run's rate (``runner`` iterates to that rate)."""
     columns = [traces.column(s) if s.speculative else -1 for s in shapes]
 
     def choose(batch: list[_Request], features: StepFeatures):
-        best, best_rate = shapes[0], -1.0
+        best, best_score = shapes[0], -math.inf
         for shape, j in zip(shapes, columns, strict=True):
             if j < 0:
                 tokens = len(batch)
             else:
                 tokens = sum(int(r.trace.emitted[r.position, j]) for r in batch)
-            rate = tokens / machine.true_ms(features, shape)
-            if rate > best_rate:
-                best, best_rate = shape, rate
+            ms = machine.true_ms(features, shape)
+            score = tokens - rate * ms if rate > 0 else tokens / ms
+            if score > best_score:
+                best, best_score = shape, score
         return best, False, _noop
 
     return choose
