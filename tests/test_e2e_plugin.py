@@ -7,7 +7,8 @@
   and the telemetry writer's counters;
 * speculation right after a step without speculation drafts from a caught-up draft;
 * a pin written to the store is obeyed within a second, and clearing it hands control back;
-* sampling (temperature 0.8) completes with well-formed output;
+* greedy steps without speculation run as the target's plain decode; sampled ones (temperature
+  0.8) take SGLang's one-token verify and complete with well-formed output;
 * bad input (a candidate set, a draft, a flag, a database, a step-time profile) is refused at
   start-up with a message, before any model is loaded.
 """
@@ -109,10 +110,17 @@ def _steps_since(db_url: str, since: float) -> list[tuple]:
         ).all()
 
 
+def _plain_decode_steps(server) -> int:
+    return server.server_info()["internal_states"][0]["adatree_plain_decode_steps"]
+
+
 def test_greedy_output_equals_reference_while_shape_changes(adatree, reference_ids, db_url):
     started = time.time()
+    plain_before = _plain_decode_steps(adatree)
     outputs = _greedy(adatree)
     assert [r["output_ids"] for r in outputs] == reference_ids
+    # Greedy steps without speculation ran as the target's plain decode.
+    assert _plain_decode_steps(adatree) > plain_before
     shapes = {(s, k, n) for s, k, n, _ in _steps_since(db_url, started)}
     assert (0, 1, 1) in shapes, "no speculation never ran"
     assert any(k == 1 and s > 0 for s, k, _ in shapes), "no chain ran"
@@ -236,7 +244,9 @@ def test_pin_is_obeyed_then_cleared(adatree, db_url):
     assert len({(s, k, n) for s, k, n, _ in rows}) > 1
 
 
-def test_sampling_completes(adatree):
+def test_sampling_completes(adatree, db_url):
+    started = time.time()
+    plain_before = _plain_decode_steps(adatree)
     outputs = adatree.generate(
         {
             "text": PROMPTS,
@@ -252,6 +262,9 @@ def test_sampling_completes(adatree):
         assert isinstance(r["text"], str)
         assert 1 <= r["meta_info"]["completion_tokens"] <= 24
         assert all(0 <= t < 49152 for t in r["output_ids"])
+    # Sampled steps without speculation take SGLang's one-token verify, not the plain decode.
+    assert (0, 1, 1) in {(s, k, n) for s, k, n, _ in _steps_since(db_url, started)}
+    assert _plain_decode_steps(adatree) == plain_before
 
 
 def test_run_row_recorded(adatree, db_url):

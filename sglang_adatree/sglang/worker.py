@@ -5,11 +5,12 @@ separate small draft model). At start-up it builds one runtime state per candida
 ``(steps, topk, num_draft_tokens)``, no speculation included: draft attention backends, the
 target's verify backend and, on a GPU, their CUDA graphs. Each decode step it opens a ticket
 with the step controller (``core.controller``: the shape, and whether the step skips the
-draft's extend), swaps in that shape's state, runs SGLang's own draft / verify / draft-extend,
-and attaches what it launched to the step's result object. When the scheduler has the result's
-accept counts on the CPU (one step late under overlap scheduling), a hook on its result
-processor finishes that ticket with them: the result carries its own ticket, so a step whose
-result never comes back cannot shift another's record.
+draft's extend), swaps in that shape's state, runs SGLang's own draft / verify / draft-extend
+(on a CPU, a step without speculation that skips the draft's extend is the target's plain
+decode instead: ``plain_step``), and attaches what it launched to the step's result object.
+When the scheduler has the result's accept counts on the CPU (one step late under overlap
+scheduling), a hook on its result processor finishes that ticket with them: the result carries
+its own ticket, so a step whose result never comes back cannot shift another's record.
 
 Top-k relay: the draft extend of every step produces candidates at the envelope's top-k, and
 each draft slices the prefix it needs (top-k outputs are sorted, so the prefix is exact). That
@@ -44,6 +45,7 @@ from sglang_adatree.core.controller import BatchView, StepOutcome, plan_on_every
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding
 from sglang_adatree.core.shapes import TreeShape, envelope
 from sglang_adatree.sglang.launched import LAUNCHED_ATTR, LaunchedStep
+from sglang_adatree.sglang.plain_step import plain_decode_step, runs_as_plain_decode
 from sglang_adatree.sglang.profiling import StepProfiler
 from sglang_adatree.sglang.serving import ServingLoop, create_serving_loop
 from sglang_adatree.sglang.tree import accepted_path_stats
@@ -145,6 +147,7 @@ class AdaTreeWorkerMixin:
         )
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
+        self._plain_decode_steps = 0  # steps without speculation served as a plain decode
         # Rank 0's controller, telemetry and poller, made once the graphs (and with them the
         # padded batch sizes) exist; None on the other ranks.
         self._loop: ServingLoop | None = None
@@ -298,7 +301,7 @@ class AdaTreeWorkerMixin:
         # the result and with it the step's own ticket; this call carries neither.
         return None
 
-    def _decode_step(self, run_step: Any, batch: Any) -> Any:
+    def _decode_step(self, run_step: Any, batch: Any, on_publish: Any = None) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost; on a
         # GPU, device events bracket the step's work without a sync.
         self._profiler.begin()
@@ -320,10 +323,24 @@ class AdaTreeWorkerMixin:
             start_event.record()
         dw = self._draft_worker
         dw.last_top_scores_index = dw.last_verify_input = None
-        # SGLang reads this switch on every step without speculation: the plan says whether
-        # the draft's extend runs (a catch-up step, or skip_idle_draft_extend off) or not.
-        with envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.override(plan.skips_draft_extend):
-            output = run_step()
+        # On a CPU, a step without speculation that skips the draft's extend is the target's
+        # plain decode (plain_step). SGLang's own path reads the switch below on every step
+        # without speculation: the plan says whether the draft's extend runs (a catch-up step,
+        # or skip_idle_draft_extend off) or not.
+        if (
+            self._on_cpu
+            and not shape.speculative
+            and plan.skips_draft_extend
+            and runs_as_plain_decode(batch, self._target_worker)
+        ):
+            output = plain_decode_step(
+                batch, self._target_worker, self.req_to_token_pool.req_to_token, on_publish
+            )
+            self._stub_skipped_draft_extend(batch, output)
+            self._plain_decode_steps += 1
+        else:
+            with envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.override(plan.skips_draft_extend):
+                output = run_step()
         if ticket is None:
             return output
         if end_event is not None:
@@ -374,7 +391,12 @@ class AdaTreeWorkerMixin:
 
     def adatree_server_state(self) -> dict[str, Any]:
         """adatree's entries of ``/server_info``'s ``internal_states`` (rank 0's)."""
-        return {} if self._loop is None else self._loop.server_state()
+        if self._loop is None:
+            return {}
+        return {
+            **self._loop.server_state(),
+            "adatree_plain_decode_steps": self._plain_decode_steps,
+        }
 
 
 def _to_host(stats: AcceptedPathStats) -> AcceptedPathStats:
@@ -392,7 +414,11 @@ def _forward(self: Any, base: type, batch: Any, **kwargs: Any) -> Any:
     is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
     if not is_decode or batch.forward_mode.is_idle():
         return base.forward_batch_generation(self, batch, **kwargs)
-    return self._decode_step(lambda: base.forward_batch_generation(self, batch, **kwargs), batch)
+    return self._decode_step(
+        lambda: base.forward_batch_generation(self, batch, **kwargs),
+        batch,
+        kwargs.get("on_publish"),
+    )
 
 
 class AdaTreeEagleWorker(AdaTreeWorkerMixin, EAGLEWorkerV2):
