@@ -3,7 +3,7 @@
 Both worker kinds, the STANDALONE-style small draft and the EAGLE-style head, run on the pure
 torch path (no Triton interpreter, no CUDA kernels). Shapes are forced with pins: a chain, a
 tree with topk > 1, and, unpinned, a mixed batch of requests at different lengths while the
-warm-up cycles every candidate.
+warm-up cycles every candidate (its steps without speculation as the target's plain decode).
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ def _check_server(draft, bundled, reference, tmp_path, extra=()):
         _pin(db_url, None)
         mixed = _run(server, _texts(bundled, [p for p, _ in MIXED]), [n for _, n in MIXED])
         assert mixed == reference["mixed"]
+        # The warm-up's steps without speculation ran as the target's plain decode, batches of
+        # requests at different lengths included.
+        assert server.server_info()["internal_states"][0]["adatree_plain_decode_steps"] > 0
 
 
 def test_standalone_draft_matches_greedy(bundled, reference, tmp_path):
