@@ -38,6 +38,7 @@ def _batch(**overrides):
         "sampling_info": _sampling(),
         "hisparse_coordinator": None,
         "mamba_track_indices": None,
+        "global_num_tokens": None,
         "seq_lens": torch.tensor([3, 5]),
         "seq_lens_cpu": torch.tensor([3, 5]),
         "seq_lens_sum": 8,
@@ -87,6 +88,7 @@ def test_a_greedy_plain_batch_runs_as_a_plain_decode():
         {"sampling_info": _sampling(logit_bias=torch.zeros(2, VOCAB))},
         {"hisparse_coordinator": object()},
         {"mamba_track_indices": torch.tensor([0, 1])},
+        {"global_num_tokens": [2, 2]},
     ],
 )
 def test_anything_the_shortcut_does_not_reproduce_takes_sglangs_path(overrides):

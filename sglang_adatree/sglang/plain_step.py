@@ -3,17 +3,18 @@
 SGLang's speculative worker serves a step without drafting as a one-token target verify: it
 builds a one-node verify input, runs the target in ``TARGET_VERIFY`` mode and goes through the
 tree sampler and the verify bookkeeping for a tree of one node. The result is a plain decode's,
-but on a CPU, with no graphs to amortise it, that walk costs about a millisecond of serial
-Python a step more than ``ar``'s decode. Here the same step is the decode ``ar`` runs: the
+but on a CPU, with no graphs to amortise it, that walk is serial host work on every such step
+that ``ar``'s decode does not do. Here the same step is the decode ``ar`` runs: the
 request's pending token (the last step's bonus token) at the slot SGLang reserved for it, the
 target in ``DECODE`` mode, the greedy token by argmax. The result object is the one SGLang's
 verify returns for a one-node tree (every request accepts its root and emits one token), so
 the scheduler's result processing is unchanged.
 
 Only for what the shortcut reproduces exactly: a CPU (on a GPU the target's graphs are captured
-for the verify), greedy sampling, no logprobs, grammar, penalties, logit bias or watermark, and
-a step that skips the draft's extend (a draft extend needs the verify's hidden states).
-Everything else takes SGLang's path.
+for the verify), greedy sampling, no logprobs, grammar, penalties, logit bias or watermark, no
+data-parallel attention (its padding is planned for the verify), and a step that skips the
+draft's extend (a draft extend needs the verify's hidden states). Everything else takes
+SGLang's path.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def runs_as_plain_decode(batch: Any, target_worker: Any) -> bool:
     if getattr(batch, "hisparse_coordinator", None) is not None:
         return False
     if getattr(batch, "mamba_track_indices", None) is not None:
+        return False
+    if getattr(batch, "global_num_tokens", None) is not None:  # data-parallel attention
         return False
     return getattr(target_worker.model_runner, "watermark_state", None) is None
 
