@@ -153,6 +153,22 @@ def test_more_tokens_never_emit_less():
         assert values[-1] <= steps + 1
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_dominating_shape_never_expects_fewer_tokens(seed):
+    # The positional model, for any hazards: a shape at least as deep, as wide and as large
+    # verifies at least the draft mass of the one it dominates (``TreeShape.dominates``).
+    rng = np.random.default_rng(seed)
+    est = AcceptanceEstimator(prior=0.5, decay=0.05, refresh_every=1)
+    hazards = rng.uniform(0.05, 0.95, size=(16, 16))
+    for shape in DEFAULT_CANDIDATES[1:]:
+        run_synthetic(est, shape, hazards, steps=20, batch=4, seed=seed)
+    model = {s: est.model_emitted(s) for s in DEFAULT_CANDIDATES}
+    pairs = [(a, b) for a in DEFAULT_CANDIDATES for b in DEFAULT_CANDIDATES if a.dominates(b)]
+    assert len(pairs) > 20
+    for a, b in pairs:
+        assert model[a] >= model[b] - 1e-12, (a, b)
+
+
 def test_decay_follows_a_change_in_acceptance():
     shape = TreeShape(2, 1, 3)
     est = AcceptanceEstimator(prior=0.5, decay=0.05, refresh_every=1)

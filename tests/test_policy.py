@@ -289,6 +289,44 @@ def test_a_shape_explored_in_hard_requests_is_judged_against_their_level(seed):
     assert judged > naive + 0.02
 
 
+class FixedAcceptance:
+    """Per-shape estimates that never change, as an estimator between refreshes."""
+
+    def __init__(self, emitted: dict[TreeShape, float]) -> None:
+        self.emitted = emitted
+        self.many: np.ndarray | None = None
+
+    def expected_emitted_many(self, shapes):
+        if self.many is None:
+            self.many = np.array([self.emitted.get(s, 1.0) for s in shapes])
+        return self.many
+
+
+def test_a_shape_never_reads_above_a_shape_that_dominates_it():
+    # The chain's own correction reads it at 2.1 tokens, above the 1.9 of the tree that holds
+    # it. Were that believed, the chain would win by 11%; capped at the tree's estimate it
+    # wins by the half percent of step time it saves, inside the hysteresis, and the tree
+    # stays.
+    tree, chain = TreeShape(2, 2, 4), TreeShape(2, 1, 3)
+    cost = AnalyticStepTime(c_fixed=9.8, c_bs=0, c_compute=0.05, c_kv=0, c_spec=0,
+                            c_draft_pass=0, c_draft_token=0)  # fmt: skip
+    policy = make_policy(cost, candidate_shapes=(NO_SPEC, chain, tree), no_spec_margin=0.0)
+    policy.acceptance = FixedAcceptance({chain: 2.1, tree: 1.9})
+    policy.current = tree
+    times = policy.cost_model.predict_ms_many(batch(1), policy.candidates)
+    assert times[1] / times[2] == pytest.approx(0.995, abs=0.01)  # the chain barely cheaper
+    decision = policy.decide(batch(1))
+    assert decision.shape == tree and decision.predicted_emitted == pytest.approx(1.9)
+    policy.set_pins([Pin(chain)])
+    assert policy.decide(batch(1)).predicted_emitted == pytest.approx(1.9)
+    # In order, the estimates stand: a chain read below the tree keeps its own.
+    policy.set_pins([])
+    policy.acceptance = FixedAcceptance({chain: 1.7, tree: 1.9})
+    assert policy.decide(batch(1)).shape == tree
+    policy.set_pins([Pin(chain)])
+    assert policy.decide(batch(1)).predicted_emitted == pytest.approx(1.7)
+
+
 def test_observations_move_the_decision():
     # Acceptance turns out low: deep trees lose their appeal.
     policy = make_policy(FLAT, prior=0.9, prior_weight=5.0)

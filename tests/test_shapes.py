@@ -23,6 +23,17 @@ def test_chain_and_tree_properties():
     assert TreeShape(5, 4, 8).kv_tokens_reserved == 20
 
 
+def test_dominates_needs_every_dimension_at_least_as_large():
+    tree = TreeShape(2, 2, 4)
+    assert tree.dominates(TreeShape(2, 1, 3))  # the chain inside it
+    assert tree.dominates(TreeShape(1, 1, 2)) and tree.dominates(NO_SPEC)
+    assert TreeShape(6, 4, 16).dominates(tree)
+    assert not tree.dominates(tree)
+    assert not TreeShape(3, 1, 4).dominates(tree)  # deeper but narrower
+    assert not TreeShape(5, 4, 8).dominates(TreeShape(4, 4, 12))  # deeper, fewer nodes
+    assert not NO_SPEC.dominates(TreeShape(1, 1, 2))
+
+
 def test_no_spec():
     assert not NO_SPEC.speculative
     assert NO_SPEC.max_emitted == 1

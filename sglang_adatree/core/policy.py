@@ -29,6 +29,10 @@ step time``. Each step, in order of precedence:
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``.
 
+Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
+every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
+that holds it.
+
 The step controller adds one source of its own, ``CATCH_UP`` (``controller.StepController``): a
 step without speculation that brings the draft up to date before a speculative decision runs.
 
@@ -154,6 +158,11 @@ class Policy:
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         # Per candidate: the most a step can emit, and whether it speculates.
         self._max_emitted = np.array([s.steps + 1.0 for s in self.candidates])
+        # [candidates, candidates]: whether the column's shape dominates the row's.
+        self._dominated_by = np.array(
+            [[a.dominates(b) for a in self.candidates] for b in self.candidates], dtype=bool
+        )
+        self._ordered: tuple[np.ndarray, np.ndarray] | None = None  # (estimates, ordered)
 
     def set_pins(self, pins: Sequence[Pin]) -> None:
         """Replace the pins, in precedence order; each pinned shape must be a candidate (its
@@ -221,11 +230,37 @@ class Policy:
 
     def _batch_emitted(self, request_ids: Sequence[str]) -> np.ndarray:
         """``[candidates]`` expected emitted tokens per request of this batch."""
-        emitted = self.acceptance.expected_emitted_many(self.candidates)
+        emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
         factor = self.requests.batch_factor(request_ids)
         if factor == 1.0:
             return emitted
         return np.clip(1.0 + factor * (emitted - 1.0), 1.0, self._max_emitted)
+
+    def _in_order(self, emitted: np.ndarray) -> np.ndarray:
+        """``emitted`` ``[candidates]`` with each shape capped at the estimate of every shape
+        that dominates it (``TreeShape.dominates``).
+
+        Each shape's estimate carries its own correction factor, measured on that shape's own
+        steps, so two estimates can cross: a chain read above the tree that holds it. The truth
+        does not cross (a dominating shape verifies at least the other's draft probability
+        mass; in every trace set of the policy lab it emits more on average), so a crossing is
+        an error in one of the two. The policy runs the shape with the highest estimate, so
+        the errors it acts on are the ones upwards, and a cheaper shape read above a shape
+        that dominates it is one: the cap removes it. Lifting the dominating shape instead, or
+        pooling the two by their evidence, did no better in the lab than leaving them crossed
+        (``docs/notes/2026-12-05-estimates-in-order.md``).
+
+        Domination is transitive, so one pass against the uncapped estimates is the fixed
+        point. The estimator returns the same array until it refreshes, so the result is kept
+        for it."""
+        ordered = self._ordered
+        if ordered is not None and ordered[0] is emitted:
+            return ordered[1]
+        ceiling = np.where(self._dominated_by, emitted[None, :], np.inf).min(axis=1)
+        capped = np.minimum(emitted, ceiling)  # [candidates]
+        capped.flags.writeable = False
+        self._ordered = (emitted, capped)
+        return capped
 
     def _warming(self, step: int, batch_size: int) -> TreeShape | None:
         """The warm-up's shape for ``step``, None once the warm-up is over: it lasts

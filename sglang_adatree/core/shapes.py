@@ -94,6 +94,19 @@ class TreeShape:
         """Most tokens one request can gain in one verify step (accepted + bonus)."""
         return min(self.steps, self.num_draft_tokens - 1) + 1
 
+    def dominates(self, other: TreeShape) -> bool:
+        """Whether this shape is at least as deep, as wide and as large as ``other`` (and not
+        the same shape). Its draft then scores a superset of ``other``'s candidates (a wider
+        frontier at every layer, and more layers) and keeps at least as many of the best, so
+        the draft probability mass it verifies is never smaller: a step of it expects at least
+        as many emitted tokens."""
+        return (
+            self != other
+            and self.steps >= other.steps
+            and self.topk >= other.topk
+            and self.num_draft_tokens >= other.num_draft_tokens
+        )
+
     @property
     def kv_tokens_reserved(self) -> int:
         """KV slots one request needs for this step: verify window or draft slots, larger."""
