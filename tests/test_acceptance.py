@@ -155,8 +155,9 @@ def test_more_tokens_never_emit_less():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_dominating_shape_never_expects_fewer_tokens(seed):
-    # The positional model, for any hazards: a shape at least as deep, as wide and as large
-    # verifies at least the draft mass of the one it dominates (``TreeShape.dominates``).
+    # The positional model, for any hazards, never expects fewer tokens of a shape at least as
+    # deep, as wide and as large as another (``TreeShape.dominates``): it keeps at least as
+    # many of a richer set of candidates.
     rng = np.random.default_rng(seed)
     est = AcceptanceEstimator(prior=0.5, decay=0.05, refresh_every=1)
     hazards = rng.uniform(0.05, 0.95, size=(16, 16))

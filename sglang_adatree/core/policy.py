@@ -242,9 +242,9 @@ class Policy:
 
         Each shape's estimate carries its own correction factor, measured on that shape's own
         steps, so two estimates can cross: a chain read above the tree that holds it. The truth
-        does not cross (a dominating shape verifies at least the other's draft probability
-        mass; in every trace set of the policy lab it emits more on average), so a crossing is
-        an error in one of the two. The policy runs the shape with the highest estimate, so
+        does not cross (the positional model never ranks them so, and in every trace set of
+        the policy lab the dominating shape emits more on average), so a crossing is an error
+        in one of the two. The policy runs the shape with the highest estimate, so
         the errors it acts on are the ones upwards, and a cheaper shape read above a shape
         that dominates it is one: the cap removes it. Lifting the dominating shape instead, or
         pooling the two by their evidence, did no better in the lab than leaving them crossed

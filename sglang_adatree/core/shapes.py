@@ -96,10 +96,11 @@ class TreeShape:
 
     def dominates(self, other: TreeShape) -> bool:
         """Whether this shape is at least as deep, as wide and as large as ``other`` (and not
-        the same shape). Its draft then scores a superset of ``other``'s candidates (a wider
-        frontier at every layer, and more layers) and keeps at least as many of the best, so
-        the draft probability mass it verifies is never smaller: a step of it expects at least
-        as many emitted tokens."""
+        the same shape). Its draft expands at least as many nodes per layer, over at least as
+        many layers, and it verifies at least as many of the best-scored candidates: under the
+        positional acceptance model (``core.acceptance``) it expects at least as many emitted
+        tokens, and in every trace set of the policy lab it emits more on average (though not
+        at every position)."""
         return (
             self != other
             and self.steps >= other.steps
