@@ -244,10 +244,10 @@ class Policy:
         steps, so two estimates can cross: a chain read above the tree that holds it. The truth
         does not cross (the positional model never ranks them so, and in every trace set of
         the policy lab the dominating shape emits more on average), so a crossing is an error
-        in one of the two. The policy runs the shape with the highest estimate, so
-        the errors it acts on are the ones upwards, and a cheaper shape read above a shape
-        that dominates it is one: the cap removes it. Lifting the dominating shape instead, or
-        pooling the two by their evidence, did no better in the lab than leaving them crossed
+        in one of the two. The policy runs the shape with the highest estimate, so the errors
+        it acts on are the ones upwards, and a cheaper shape read above a shape that dominates
+        it is one: the cap removes it. Lifting the dominating shape instead, or pooling the two
+        by their evidence, gained less in the lab than the cap
         (``docs/notes/2026-12-05-estimates-in-order.md``).
 
         Domination is transitive, so one pass against the uncapped estimates is the fixed
