@@ -2,14 +2,16 @@
 
     python scripts/bench_telemetry.py                 # the full run: 60 s at 1,000 steps/s
     python scripts/bench_telemetry.py --seconds 2 --flood-seconds 2   # a quick check
+    python scripts/bench_telemetry.py --seconds 30 --rate 25 --flood-seconds 1   # a served c1
 
 The last line is exactly: telemetry: rows_per_s=<n> enqueue_p99_us=<us> dropped=<n>
 
 Two phases on one database (a fresh SQLite file unless a URL is given):
 
 1. paced: ``rate`` steps per second for ``seconds``, one ``StepRecord`` per step, each
-   ``record()`` call timed; reports the enqueue latency percentiles and the records dropped.
-   Every recorded step must then be in the database.
+   ``record()`` call timed; reports the enqueue latency percentiles, the records dropped and
+   the process's CPU time per second (the writer thread's, in a server taken from the decode
+   loop's cores). Every recorded step must then be in the database.
 2. flood: a producer records as fast as it can for ``flood_seconds`` (yielding while the queue
    is more than half full, so that no record is dropped and the writer is the bottleneck); the
    sustained rate is rows committed / time from the first record to the last commit. The
@@ -54,6 +56,7 @@ class BenchResult:
     dropped: int  # paced phase
     paced_steps: int
     paced_rows_in_db: int
+    paced_cpu_ms_per_s: float  # CPU time of the whole process (producer + writer), paced phase
     flood_rows: int
     flood_s: float
     flood_cpu_s: float  # CPU time of the whole process (producer + writer) during the flood
@@ -108,6 +111,7 @@ def _paced(writer: TelemetryWriter, run_id: int, seconds: float, rate: float) ->
     n = int(seconds * rate)
     latencies = [0.0] * n
     dropped_before = writer.stats().dropped
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for i in range(n):
         rec = make_step(run_id, i)
@@ -117,6 +121,7 @@ def _paced(writer: TelemetryWriter, run_id: int, seconds: float, rate: float) ->
         wait = start + (i + 1) / rate - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+    cpu_ms_per_s = (time.process_time() - cpu_start) * 1000.0 / (time.perf_counter() - start)
     if not writer.flush(60.0):
         raise RuntimeError("the writer did not catch up within 60 s")
     with store.session_scope(writer.engine) as session:
@@ -129,6 +134,7 @@ def _paced(writer: TelemetryWriter, run_id: int, seconds: float, rate: float) ->
         "dropped": writer.stats().dropped - dropped_before,
         "paced_steps": n,
         "paced_rows_in_db": int(in_db or 0),
+        "paced_cpu_ms_per_s": cpu_ms_per_s,
     }
 
 
@@ -170,7 +176,7 @@ def main() -> None:
     print(
         f"paced: {r.paced_steps} steps at {args.rate:g}/s, {r.paced_rows_in_db} rows in the "
         f"database; record() p50 {r.enqueue_p50_us:.2f} us, p99 {r.enqueue_p99_us:.2f} us, "
-        f"max {r.enqueue_max_us:.1f} us"
+        f"max {r.enqueue_max_us:.1f} us; {r.paced_cpu_ms_per_s:.2f} ms of CPU a second"
     )
     print(
         f"flood: {r.flood_rows} rows in {r.flood_s:.2f} s using {r.flood_cpu_s:.2f} s of CPU "

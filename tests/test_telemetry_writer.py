@@ -133,6 +133,38 @@ def test_record_is_fast_and_flush_s_bounds_the_wait(sqlite_url, open_writer):
         time.sleep(0.05)
 
 
+def test_a_full_batch_is_written_without_waiting_for_flush_s(sqlite_url, open_writer):
+    # The thread sleeps flush_s between writes; a full batch wakes it.
+    writer = open_writer(sqlite_url, batch_size=50, flush_s=30.0)
+    run_id = writer.start_run(RUN)
+    for r in steps_of(run_id, 50):
+        writer.record(r)
+    deadline = time.monotonic() + 5.0
+    while step_count(sqlite_url, run_id) < 50:
+        assert time.monotonic() < deadline, "a full batch waited for flush_s"
+        time.sleep(0.05)
+
+
+def test_batches_do_not_checkpoint_the_wal_as_they_close(sqlite_url, open_writer):
+    # The last connection to a WAL database checkpoints and deletes the WAL as it closes; the
+    # writer's idle connection keeps each batch's from being the last, and closes with it.
+    wal = Path(f"{store.sqlite_path(sqlite_url)}-wal")
+    writer = open_writer(sqlite_url)
+    run_id = writer.start_run(RUN)
+    sizes = []
+    for i, r in enumerate(steps_of(run_id, 80)):
+        writer.record(r)
+        if i % 20 == 19:
+            assert writer.flush(10.0)
+            sizes.append(wal.stat().st_size if wal.exists() else 0)
+    # The idle connection opens after the first successful batch; from then on every batch
+    # adds to the WAL.
+    assert 0 < sizes[1] < sizes[2] < sizes[3], sizes
+    assert writer.close().written == 80
+    assert not wal.exists()
+    assert step_count(sqlite_url, run_id) == 80
+
+
 def test_rows_the_database_refuses_are_counted_not_retried(sqlite_url, open_writer):
     writer = open_writer(sqlite_url)
     run_id = writer.start_run(RUN)

@@ -8,9 +8,13 @@ always holds the oldest unwritten steps of each run, gap-free, so a dashboard se
 end of an outage instead of holes scattered through it. Several producers may race past the
 length check together, so the queue can exceed its bound by at most the number of producers.
 
-Writer thread: wakes every few milliseconds and writes when a batch is full or the oldest row has
-waited ``flush_s``; each batch of up to ``batch_size`` rows is one transaction (``executemany``
-of plain tuples; ``COPY`` on PostgreSQL).
+Writer thread: writes every ``flush_s`` while rows are queued, and at once when ``record`` has
+filled a batch (the one time it signals the thread); each batch of up to ``batch_size`` rows is
+one transaction (``executemany`` of plain tuples; ``COPY`` on PostgreSQL). It shares the
+serving process's cores with the decode loop, so it sleeps between writes instead of checking
+the queue, and on SQLite it keeps one idle connection open while writes succeed: the last
+connection to a WAL database checkpoints the WAL into the database file and deletes it as it
+closes, which would make every batch pay for a checkpoint.
 Drop and reject counts, and the decode steps that never finished (``count_unfinished``), go into
 ``runs.dropped_steps`` / ``runs.rejected_steps`` / ``runs.unfinished_steps`` in the same
 transaction as the next batch, so they survive the process. While the database is locked,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -47,13 +52,19 @@ from sglang_adatree.telemetry.records import (
     config_json,
     step_row,
 )
-from sglang_adatree.telemetry.store import check_schema_at_head, display_url, get_engine
+from sglang_adatree.telemetry.store import (
+    check_schema_at_head,
+    display_url,
+    get_engine,
+    sqlite_path,
+)
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.05
-POLL_S = 0.02  # how often the writer checks the queue; record() never signals it
 ROLLUP_EVERY_S = 600.0
+# Whether the write check can ask as the process's effective user (the one that opens files).
+EFFECTIVE_IDS = os.access in os.supports_effective_ids
 # Errors that one bad row causes; anything else (locked, read-only, missing, down, no schema)
 # is the database's state and is retried.
 ROW_ERRORS = (IntegrityError, DataError)
@@ -119,6 +130,11 @@ class TelemetryWriter:
         self._flush_requested = False
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # SQLite: an idle connection held while writes succeed, so that no batch's connection
+        # is the last to close (``_hold_open``), and the file it opened (device, inode).
+        self._path = sqlite_path(self._engine.url)
+        self._keeper: Any = None
+        self._kept_file: tuple[int, int] | None = None
         self._thread = threading.Thread(target=self._run, name="adatree-telemetry", daemon=True)
         self._thread.start()
         self._atexit_hook = _close_at_exit_hook(self)
@@ -139,8 +155,11 @@ class TelemetryWriter:
 
     def record(self, rec: StepRecord) -> bool:
         """Queue one step record; ``False`` if it was dropped. Never blocks, never raises."""
-        if len(self._queue) < self._queue_size and not self._closed:
-            self._queue.append(rec)
+        queue = self._queue
+        if len(queue) < self._queue_size and not self._closed:
+            queue.append(rec)
+            if len(queue) == self._batch_size:
+                self._wake.set()
             return True
         with self._drops_lock:
             self._drops[rec.run_id] = self._drops.get(rec.run_id, 0) + 1
@@ -258,6 +277,12 @@ class TelemetryWriter:
             )
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._let_go()
+
+    def _loop(self) -> None:
         delay = 0.0
         last_write = time.monotonic()
         while True:
@@ -274,6 +299,7 @@ class TelemetryWriter:
                 try:
                     self._write_pending()
                 except Exception as exc:
+                    self._let_go()
                     self._failed(exc)
                     delay = min(max(2 * delay, BACKOFF_MIN_S), self._backoff_max_s)
                     if closing and time.monotonic() + delay > self._close_deadline:
@@ -286,13 +312,18 @@ class TelemetryWriter:
                 last_write = time.monotonic()
                 if closing:
                     return
+                self._hold_open()
                 if self._retention_s is not None and last_write >= self._next_rollup:
                     self._rollup()
-            self._wake.wait(POLL_S)
+            # Until the next write is due; ``record`` wakes the thread when a batch is full.
+            # Checked after the clear, so a wake between the check and the wait is not lost.
+            wait = last_write + self._flush_s - time.monotonic()
+            self._wake.wait(wait if wait > 0 else self._flush_s)
             self._wake.clear()
 
     def _write_pending(self) -> None:
         """Write batches until the queue is empty; raises on a database that cannot take them."""
+        self._check_kept()
         with self._engine.connect() as conn:
             while True:
                 self._fill_batch()
@@ -316,6 +347,51 @@ class TelemetryWriter:
                 with self._move_lock:
                     self._written += len(self._batch)
                     self._batch.clear()
+
+    def _hold_open(self) -> None:
+        """On SQLite, open the idle connection if it is not open (after a successful write).
+
+        It has read the database (its connect pragmas), so it holds the WAL index open, and a
+        batch's connection closing is no longer the last: the WAL is checkpointed as it grows
+        (``wal_autocheckpoint``), not at every batch. It holds no transaction, so it blocks
+        neither checkpoints nor other writers. ``_check_kept`` lets it go before a batch
+        whenever the file is no longer the one it opened, or no longer writable."""
+        if self._keeper is not None or self._path is None:
+            return
+        try:
+            st = os.stat(self._path)
+            self._keeper = self._engine.raw_connection()
+        except Exception as exc:  # only a cost: each batch then checkpoints as it closes
+            log.debug("telemetry: no idle connection held: %s", exc)
+            return
+        self._kept_file = (st.st_dev, st.st_ino)
+
+    def _check_kept(self) -> None:
+        """Let the idle connection go unless the database file is still the one it opened and
+        still writable: then the batch's own connection is the only one, and a database made
+        read-only, deleted or replaced fails it as it would without the idle one (SQLite lets
+        a second connection of the process write through the first one's file however the
+        file's permissions changed since)."""
+        if self._keeper is None:
+            return
+        assert self._path is not None
+        try:
+            st = os.stat(self._path)
+            same = (st.st_dev, st.st_ino) == self._kept_file and os.access(
+                self._path, os.W_OK, effective_ids=EFFECTIVE_IDS
+            )
+        except OSError:
+            same = False
+        if not same:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            try:
+                keeper.close()
+            except Exception as exc:
+                log.debug("telemetry: closing the idle connection: %s", exc)
 
     def _insert_batch(self, conn: Connection, rows: list[tuple[Any, ...]]) -> None:
         if self._copy_sql is None:
