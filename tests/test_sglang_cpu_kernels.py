@@ -56,6 +56,36 @@ def test_assign_extend_cache_locs_and_req_to_token_round_trip():
     assert int((fresh != 0).sum()) == len(expected) - int((got == 0).sum())
 
 
+def test_assign_req_to_token_pool_for_one_request_matches_the_batched_form():
+    for start, end in ((4, 9), (7, 7), (8, 3)):  # a range, an empty one, a reversed one
+        slots = torch.arange(500, 520)
+        before = _pool()
+        one, batched = before.clone(), before.clone()
+        args = (torch.tensor([start]), torch.tensor([end]), slots)
+        cpu_kernels.assign_req_to_token_pool(torch.tensor([2]), one, *args)
+        # The same request beside an empty one takes the batched path.
+        cpu_kernels.assign_req_to_token_pool(
+            torch.tensor([2, 5]),
+            batched,
+            torch.tensor([start, 0]),
+            torch.tensor([end, 0]),
+            slots,
+        )
+        assert torch.equal(one, batched)
+        assert int((one != before).sum()) == max(end - start, 0)
+
+
+def test_row_ranges_of_one_request_match_the_batched_form():
+    for start, end in ((4, 9), (7, 7), (8, 3)):
+        rows, cols = cpu_kernels._row_ranges(torch.tensor([start]), torch.tensor([end]))
+        both_rows, both_cols = cpu_kernels._row_ranges(
+            torch.tensor([start, 0]), torch.tensor([end, 0])
+        )
+        assert rows.tolist() == both_rows.tolist() == [0] * max(end - start, 0)
+        assert cols.tolist() == both_cols.tolist() == list(range(start, max(start, end)))
+        assert rows.dtype == cols.dtype == both_cols.dtype == torch.int64
+
+
 def test_fill_front_out_cache_loc_writes_only_the_prefix():
     num_front = torch.tensor([1, 3, 2])
     window = torch.arange(100, 100 + 3 * 4)  # 3 requests x window 4

@@ -15,6 +15,12 @@ def _row_ranges(
     end: torch.Tensor,  # [batch]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flattened (request, column) pairs of every ``start[b] <= col < end[b]``, request-major."""
+    if start.numel() == 1:
+        # A batch of one in two ops, not ten: at concurrency 1 each small op costs more than
+        # the work.
+        first, last = int(start[0]), int(end[0])
+        cols = torch.arange(first, max(first, last), device=start.device)
+        return torch.zeros_like(cols), cols
     lens = (end - start).long().clamp(min=0)
     rows = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
     offsets = torch.cumsum(lens, 0) - lens
@@ -101,6 +107,14 @@ def assign_req_to_token_pool(
     out_cache_loc: torch.Tensor,  # [sum(end - start)]
 ) -> None:
     """``allocation.assign_req_to_token_pool_func``: record new slots in the slot table."""
+    if req_pool_indices.numel() == 1:
+        # A batch of one (every decode step at concurrency 1): one slice write instead of the
+        # batched form's dozen small ops, each of which costs more on a CPU than the write.
+        start, end = int(start_offset[0]), int(end_offset[0])
+        if end > start:
+            row = int(req_pool_indices[0])
+            req_to_token[row, start:end] = out_cache_loc[: end - start].to(req_to_token.dtype)
+        return
     rows, cols = _row_ranges(start_offset, end_offset)
     values = out_cache_loc[: rows.numel()].to(req_to_token.dtype)
     req_to_token[req_pool_indices.long()[rows], cols] = values
