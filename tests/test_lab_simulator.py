@@ -3,6 +3,8 @@ oracles' order, arrivals, and adatree's serving loop driven as the server drives
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -116,6 +118,32 @@ def test_a_static_shape_emits_what_its_traces_say():
             assert run.accept_len_mean == 1.0
     ar = simulate(TRACES, profile(), sim, lambda m, c: static_chooser(NO_SPEC), "ar")
     assert ar.steps == sum(TRACES.requests[i].answer_len - 1 for i in _order(4))
+
+
+def test_walked_emitted_is_what_a_static_shape_emits_per_step():
+    # One request alone: a static shape's emitted tokens per step are the request's walk under
+    # that shape.
+    for request in TRACES.requests[:4]:
+        one = dataclasses.replace(TRACES, requests=(request,))
+        walked = request.walked_emitted()
+        sim = SimConfig(Arrivals("closed", concurrency=1), num_requests=1)
+        for shape in SHAPES:
+            run = simulate(one, profile(), sim, lambda m, c, s=shape: static_chooser(s), "s")
+            assert run.accept_len_mean == pytest.approx(walked[one.column(shape)])
+    # A hard stretch of 20 positions and an easy one of 20 (4 tokens a step): 20 steps and 5,
+    # 40 tokens in 25 steps, where the mean over positions reads 2.5.
+    template = TRACES.requests[0]
+    emitted = np.ones((41, len(SHAPES)), dtype=np.int16)
+    emitted[21:, :] = 4
+    stretches = dataclasses.replace(
+        template,
+        emitted=emitted,
+        num_children=np.zeros((41, *template.num_children.shape[1:]), dtype=np.int8),
+        accepted_rank=np.full((41, *template.accepted_rank.shape[1:]), -1, dtype=np.int8),
+        draft_expected=np.zeros((41, len(SHAPES)), dtype=np.float32),
+    )
+    assert stretches.walked_emitted() == pytest.approx([40 / 25] * len(SHAPES))
+    assert emitted[1:].mean() == 2.5
 
 
 @settings(max_examples=10, deadline=None)

@@ -8,7 +8,8 @@ The loss decomposition replaces adatree's estimates with the truth one at a time
 and charges each step's gain in goodput to what it replaced:
 
 1. acceptance: the acceptance estimator answers with the batch's true mean emitted tokens per
-   shape, each request's own mean over its answer (the traces') rather than the estimate;
+   shape rather than the estimate: each request's own emitted tokens per step over its answer
+   decoded under that shape (``RequestTrace.walked_emitted``);
 2. step time: the cost model answers with the profile's true step time (the machine's speed
    included, the per-step noise not), and is no longer refitted;
 3. exploration: no warm-up and no exploring steps;
@@ -67,8 +68,8 @@ class ScenarioResult:
 
 class _TruthAcceptance:
     """What an acceptance estimator could know at best without seeing the future: each
-    request's own mean emitted tokens per shape over its answer (not the luck of the position
-    at hand, which only the per-step oracle knows), averaged over the batch."""
+    request's own emitted tokens per step under each shape over its answer (not the luck of the
+    position at hand, which only the per-step oracle knows), averaged over the batch."""
 
     def __init__(self, traces: TraceSet) -> None:
         self.traces = traces
@@ -80,8 +81,7 @@ class _TruthAcceptance:
     def _mean(self, trace: Any) -> np.ndarray:
         means = self._means.get(trace.request_id)
         if means is None:
-            rows = trace.emitted[1:] if trace.answer_len > 1 else trace.emitted
-            means = self._means[trace.request_id] = rows.mean(axis=0)
+            means = self._means[trace.request_id] = trace.walked_emitted()
         return means
 
     def expected_emitted_many(self, shapes: Sequence[TreeShape]) -> np.ndarray:
