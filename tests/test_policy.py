@@ -56,6 +56,42 @@ def test_no_spec_margin():
         assert policy.decide(batch(1)).shape == expected
 
 
+def chain_gaining(gain: float, **settings) -> Policy:
+    """No speculation against the chain 1,1,2, which gains ``gain`` over it at batch size 1."""
+    draft_ms = 5.0 * (1.5 / (1.0 + gain) - 1)
+    spec_cost = AnalyticStepTime(c_fixed=5.0, c_bs=0, c_compute=0, c_kv=0, c_spec=0,
+                                 c_draft_pass=draft_ms, c_draft_token=0)  # fmt: skip
+    shapes = (NO_SPEC, TreeShape(1, 1, 2))
+    return make_policy(spec_cost, prior=0.5, candidate_shapes=shapes, **settings)
+
+
+def test_a_new_batch_speculates_if_speculating_pays_at_all():
+    chain = TreeShape(1, 1, 2)
+    # 3% is short of the 5% margin, for a continuing batch only.
+    policy = chain_gaining(0.03)
+    assert policy.decide(batch(1)).shape == NO_SPEC  # no ids: decided as a continuing batch
+    assert policy.decide(batch(1), ["a"]).shape == chain  # a new request
+    assert policy.decide(batch(1), ["a"]).shape == chain  # kept: 3% is inside the hysteresis
+    assert chain_gaining(-0.01).decide(batch(1), ["a"]).shape == NO_SPEC  # it must pay
+    # 6% clears the margin but not the margin and the hysteresis together.
+    policy = chain_gaining(0.06)
+    assert policy.decide(batch(1), ["a"]).shape == chain
+    policy.current = NO_SPEC  # where an unlucky stretch of request "a" would have left it
+    assert policy.decide(batch(1), ["a"]).shape == NO_SPEC  # "a" ran the step before
+    assert policy.decide(batch(1), ["b"]).shape == chain
+    policy.current = NO_SPEC
+    assert policy.decide(batch(2), ["b", "c"]).shape == NO_SPEC  # "b" ran the step before
+    assert policy.decide(batch(2), ["d", "e"]).shape == chain
+
+
+def test_a_new_batch_keeps_the_hysteresis_between_speculative_shapes():
+    policy = near_tie_policy(min_gain=0.03)
+    assert policy.decide(batch(15), ["a"]).shape == TreeShape(3, 1, 4)
+    # At 17 the other chain is ahead by well under 3%: a new batch keeps the chain it ran.
+    assert policy.decide(batch(17), ["b"]).shape == TreeShape(3, 1, 4)
+    assert near_tie_policy(min_gain=0.0).decide(batch(17), ["b"]).shape == TreeShape(2, 1, 3)
+
+
 def test_pins_win_and_ranges_apply_only_in_range():
     policy = make_policy(FLAT, prior=0.9)
     chain, small_tree = TreeShape(3, 1, 4), TreeShape(2, 2, 4)

@@ -27,7 +27,21 @@ step time``. Each step, in order of precedence:
    predicted that far off would have to be mispredicted by as much to win.
 4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
-   ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``.
+   ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``
+   (hysteresis: a decision does not flap on its estimates' noise).
+
+   A new batch, one none of whose requests ran in the step before (at concurrency 1, every
+   request), speculates if speculating is predicted to pay at all: neither the margin nor a
+   current choice of no speculation holds it back; the hysteresis between speculative shapes
+   still does. A request's acceptance differs from the next one's far more than the shapes a
+   decision turns on differ, and only its speculative steps measure it (``RequestAcceptance``):
+   a new request served without speculation from its first step would be judged for its whole
+   answer by the requests before it. So it starts speculating, and the margin and the
+   hysteresis decide from its own steps when to stop. Leaving no speculation costs a catch-up
+   step only for requests it served; a new batch's drafts are up to date after their prefill.
+   Carried across requests, the margin and the hysteresis together would keep a server at
+   concurrency 1 without speculation until a predicted gain of about 8%: a deployment where
+   speculation gains 5-10% would seldom speculate again once it stopped.
 
 Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
@@ -163,6 +177,7 @@ class Policy:
             [[a.dominates(b) for a in self.candidates] for b in self.candidates], dtype=bool
         )
         self._ordered: tuple[np.ndarray, np.ndarray] | None = None  # (estimates, ordered)
+        self._last_batch: frozenset[str] = frozenset()  # the requests of the step before
 
     def set_pins(self, pins: Sequence[Pin]) -> None:
         """Replace the pins, in precedence order; each pinned shape must be a candidate (its
@@ -182,6 +197,9 @@ class Policy:
         scales the estimate; none given: the estimator's alone)."""
         step = self.step
         self.step += 1
+        # Without request ids a batch cannot be told new: it is decided as a continuing one.
+        new_batch = bool(request_ids) and self._last_batch.isdisjoint(request_ids)
+        self._last_batch = frozenset(request_ids)
         times = self.cost_model.predict_ms_many(features, self.candidates)  # [candidates] ms
         emitted = self._batch_emitted(request_ids)  # [candidates] per request
         for pin in self.pins:
@@ -191,9 +209,11 @@ class Policy:
         if warming is not None:
             return self._decision(warming, DecisionSource.WARMUP, times, emitted)
         # Goodput up to the batch size, which is common to all candidates.
-        score = emitted * self._margin / times  # [candidates]
+        score = emitted * (1.0 if new_batch else self._margin) / times  # [candidates]
         best = int(np.argmax(score))
-        current = self._index.get(self.current) if self.current is not None else None
+        current = None
+        if self.current is not None and (self.current.speculative or not new_batch):
+            current = self._index.get(self.current)
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
         if self._explores(step - self._warmup_end):
