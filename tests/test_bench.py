@@ -45,6 +45,7 @@ from sglang_adatree.tools.bench.servers import (
     ServerError,
     ephemeral_range,
     free_port,
+    how_it_ended,
     running_server,
     stop_process_group,
 )
@@ -465,6 +466,25 @@ def test_a_server_that_dies_reports_its_log(tmp_path):
         running_server(command, {}, free_port(), tmp_path / "s.log", timeout_s=60),
     ):
         pass
+
+
+def test_a_server_killed_after_start_up_says_how(tmp_path):
+    port, pid_file = free_port(), tmp_path / "child.pid"
+    command = [sys.executable, "-c", FAKE_SERVER, str(port), str(pid_file)]
+    with running_server(command, {}, port, tmp_path / "s.log", timeout_s=60) as server:
+        server.check_alive("fake")  # healthy and running
+        os.killpg(server.process.pid, signal.SIGKILL)  # as the out-of-memory killer would
+        server.process.wait(timeout=10)
+        with pytest.raises(ServerError, match=r"fake: the server ended by signal 9.*out-of-memory"):
+            server.check_alive("fake")
+    # A launcher whose child was killed exits on its own; its log says which.
+    died = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    died.wait(timeout=10)
+    log = tmp_path / "launcher.log"
+    log.write_text("Subprocess scheduler_0 (pid=1) crashed with exit code -9.\n")
+    assert how_it_ended(died, log).startswith("exited with code 1; a process of it was killed")
+    log.write_text("bad flag --foo\n")
+    assert how_it_ended(died, log) == "exited with code 1"
 
 
 def test_server_ports_avoid_theephemeral_range():

@@ -47,7 +47,14 @@ from sglang_adatree.tools.bench.configurations import (
 )
 from sglang_adatree.tools.bench.databases import database_url, prepare_database
 from sglang_adatree.tools.bench.runner import ChatFormatter, warm_up
-from sglang_adatree.tools.bench.servers import Server, ServerError, free_port, running_server
+from sglang_adatree.tools.bench.servers import (
+    Server,
+    ServerError,
+    exit_report,
+    free_port,
+    how_it_ended,
+    running_server,
+)
 from sglang_adatree.tools.bench.stage_clock import StageClock, ms_per_token, read_stage_clock
 from sglang_adatree.tools.bench.workloads import WARMUP_PROMPTS, Workload
 
@@ -239,10 +246,13 @@ class PairedRun:
 def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
     """Start every configuration's server, warm each up, then send the prompts in turn.
 
-    Raises ``ServerError`` when a server does not start, its warm-up fails or (with
+    Raises ``ServerError`` when a server does not start, its warm-up fails, it is no longer
+    running when the prompts start (a later server's start can take its memory) or (with
     ``plan.stage_clock``) its stage clock cannot be read before the prompts; every server is
-    stopped on every way out, Ctrl-C included. A stage clock that cannot be read after the
-    prompts is left out of the result, with a message.
+    stopped on every way out, Ctrl-C included. A server that dies during the prompts is
+    reported once, with how it ended, and its remaining prompts are recorded as failed without
+    being sent; the others' run goes on. A stage clock that cannot be read after the prompts is
+    left out of the result, with a message.
     """
     fmt = ChatFormatter(plan.models.target, plan.chat_template)
     texts = [fmt(p) for p in plan.workload.prompts]
@@ -274,6 +284,9 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
                 plan.request_timeout_s,
             )
             servers[config.name] = server
+        # Each server was healthy once; a later one's start can still have cost it its life.
+        for name, server in servers.items():
+            server.check_alive(name)
         session = stack.enter_context(requests.Session())
         before: dict[str, StageClock] = {}
         if plan.stage_clock:
@@ -291,9 +304,23 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
                 file=sys.stderr,
             )
         )
+        dead: dict[str, str] = {}  # name -> why its remaining prompts were not sent
         for i, text in enumerate(texts):
             for name in request_order(i, names):
-                samples.append(_one(session, servers[name].url, name, i, text, plan))
+                if name in dead:
+                    # Its prompts are not sent: the others' comparison goes on without it.
+                    sample = Sample(i, name, None, None, 0, 0, "", dead[name])
+                else:
+                    sample = _one(session, servers[name].url, name, i, text, plan)
+                    if sample.error is not None and servers[name].process.poll() is not None:
+                        ended = how_it_ended(servers[name].process, servers[name].log)
+                        dead[name] = f"not sent: the server {ended}"
+                        tqdm.write(
+                            f"adatree compare: {name}: the server "
+                            f"{exit_report(servers[name].process, servers[name].log)}",
+                            file=sys.stderr,
+                        )
+                samples.append(sample)
                 bar.update(1)
         stage_ms: dict[str, dict[str, float]] = {}
         for name, start in before.items():

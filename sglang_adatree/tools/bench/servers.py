@@ -58,6 +58,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What SGLang's launcher logs when the kernel killed one of its processes (signal 9).
+_KILLED = "exit code -9"
+
+
+def how_it_ended(process: subprocess.Popen, log: Path) -> str:
+    """``exited with code N`` or ``ended by signal N``; a kill by signal 9 of the server or of
+    a process it started (on Linux most often the out-of-memory killer, when the servers
+    started together outgrow the machine's memory) says so."""
+    code = process.returncode
+    how = f"exited with code {code}" if code is None or code >= 0 else f"ended by signal {-code}"
+    if code == -signal.SIGKILL or _KILLED in log_tail(log):
+        how += (
+            "; a process of it was killed by signal 9, on Linux most often by the "
+            "out-of-memory killer: start fewer servers at once (fewer policies or --instances)"
+        )
+    return how
+
+
+def exit_report(process: subprocess.Popen, log: Path) -> str:
+    """How a server's process ended, and its log's tail."""
+    return f"{how_it_ended(process, log)}; log {log}:\n{log_tail(log)}"
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -73,6 +96,12 @@ class Server:
     process: subprocess.Popen
     log: Path
     startup_s: float
+
+    def check_alive(self, name: str) -> None:
+        """Raise ``ServerError`` if the server's process has ended: a server that was healthy
+        can still die later, as when another one started after it takes its memory."""
+        if self.process.poll() is not None:
+            raise ServerError(f"{name}: the server {exit_report(self.process, self.log)}")
 
     def info(self) -> dict[str, Any]:
         """``GET /server_info``: the resolved server arguments and ``internal_states``."""
@@ -112,10 +141,7 @@ def wait_healthy(
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise ServerError(
-                f"server exited with code {process.returncode} during start-up; log {log}:\n"
-                + log_tail(log)
-            )
+            raise ServerError(f"during start-up the server {exit_report(process, log)}")
         try:
             if requests.get(f"{url}{health_path}", timeout=5).status_code == 200:
                 return
