@@ -50,7 +50,6 @@ from sglang_adatree.tools.bench.runner import ChatFormatter, warm_up
 from sglang_adatree.tools.bench.servers import (
     Server,
     ServerError,
-    exit_report,
     free_port,
     how_it_ended,
     running_server,
@@ -311,15 +310,15 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
                     # Its prompts are not sent: the others' comparison goes on without it.
                     sample = Sample(i, name, None, None, 0, 0, "", dead[name])
                 else:
-                    sample = _one(session, servers[name].url, name, i, text, plan)
-                    if sample.error is not None and servers[name].process.poll() is not None:
-                        ended = how_it_ended(servers[name].process, servers[name].log)
-                        dead[name] = f"not sent: the server {ended}"
-                        tqdm.write(
-                            f"adatree compare: {name}: the server "
-                            f"{exit_report(servers[name].process, servers[name].log)}",
-                            file=sys.stderr,
-                        )
+                    server = servers[name]
+                    sample = _one(session, server.url, name, i, text, plan)
+                    if sample.error is not None:
+                        try:
+                            server.check_alive(name)
+                        except ServerError as exc:
+                            ended = how_it_ended(server.process, server.log)
+                            dead[name] = f"not sent: the server {ended}"
+                            tqdm.write(f"adatree compare: {exc}", file=sys.stderr)
                 samples.append(sample)
                 bar.update(1)
         stage_ms: dict[str, dict[str, float]] = {}
