@@ -129,6 +129,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 1.0,
     ),
     Setting(
+        "new_batch_steps",
+        5,
+        "[0, 1000]",
+        "a new batch's first steps (none of its requests ran the step before) speculate if "
+        "speculating is predicted to pay at all, free of no_spec_margin (0: never)",
+        _int,
+        lambda v: 0 <= v <= 1000,
+    ),
+    Setting(
         "explore_fraction",
         0.02,
         "[0, 0.5]",
@@ -299,6 +308,7 @@ class AdaTreeConfig:
     policy: str = DEFAULTS["policy"]
     min_gain: float = DEFAULTS["min_gain"]
     no_spec_margin: float = DEFAULTS["no_spec_margin"]
+    new_batch_steps: int = DEFAULTS["new_batch_steps"]
     explore_fraction: float = DEFAULTS["explore_fraction"]
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
     explore_seed: int = DEFAULTS["explore_seed"]
@@ -348,7 +358,7 @@ class AdaTreeConfig:
 
     def replace(self, **changes: Any) -> AdaTreeConfig:
         """A copy with some settings changed, converted and validated like any other source."""
-        converted = {k: _convert(k, v, source="code") for k, v in changes.items()}
+        converted = {k: convert_setting(k, v, source="code") for k, v in changes.items()}
         return dataclasses.replace(self, **converted)
 
 
@@ -359,7 +369,9 @@ def _validate(setting: Setting, value: Any, source: str) -> None:
         raise ConfigError(f"{setting.name} = {value!r} (from {source}): allowed {setting.allowed}")
 
 
-def _convert(name: str, value: Any, source: str) -> Any:
+def convert_setting(name: str, value: Any, source: str) -> Any:
+    """``value`` as setting ``name`` holds it; ``ConfigError`` naming ``source`` for an unknown
+    name or a value outside the allowed range."""
     setting = SETTINGS_BY_NAME.get(name)
     if setting is None:
         known = ", ".join(sorted(SETTINGS_BY_NAME))
@@ -396,12 +408,12 @@ def load_config(
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
         data = data.get("adatree", data)
         for key, value in data.items():
-            values[key] = _convert(key, value, source=str(p))
+            values[key] = convert_setting(key, value, source=str(p))
     for setting in SETTINGS:
         key = ENV_PREFIX + setting.name.upper()
         if key in env and key != CONFIG_ENV:
-            values[setting.name] = _convert(setting.name, env[key], source=key)
+            values[setting.name] = convert_setting(setting.name, env[key], source=key)
     for key, value in overrides.items():
         if value is not None:
-            values[key] = _convert(key, value, source="code")
+            values[key] = convert_setting(key, value, source="code")
     return AdaTreeConfig(**values)

@@ -74,7 +74,7 @@ def test_a_new_batch_speculates_if_speculating_pays_at_all():
     assert policy.decide(batch(1), ["a"]).shape == chain  # kept: 3% is inside the hysteresis
     assert chain_gaining(-0.01).decide(batch(1), ["a"]).shape == NO_SPEC  # it must pay
     # 6% clears the margin but not the margin and the hysteresis together.
-    policy = chain_gaining(0.06)
+    policy = chain_gaining(0.06, new_batch_steps=1)
     assert policy.decide(batch(1), ["a"]).shape == chain
     policy.current = NO_SPEC  # where an unlucky stretch of request "a" would have left it
     assert policy.decide(batch(1), ["a"]).shape == NO_SPEC  # "a" ran the step before
@@ -82,6 +82,27 @@ def test_a_new_batch_speculates_if_speculating_pays_at_all():
     policy.current = NO_SPEC
     assert policy.decide(batch(2), ["b", "c"]).shape == NO_SPEC  # "b" ran the step before
     assert policy.decide(batch(2), ["d", "e"]).shape == chain
+
+
+def test_a_new_batch_is_new_for_its_first_new_batch_steps():
+    chain = TreeShape(1, 1, 2)
+    policy = chain_gaining(0.06, new_batch_steps=3)
+    for request in ["a", "a", "a", "b", "b"]:
+        policy.current = NO_SPEC  # where an unlucky step would have left it
+        assert policy.decide(batch(1), [request]).shape == chain
+    policy.current = NO_SPEC
+    assert policy.decide(batch(1), ["b"]).shape == chain  # "b"'s third step
+    policy.current = NO_SPEC
+    assert policy.decide(batch(1), ["b"]).shape == NO_SPEC  # its fourth: a continuing batch
+    # A request joining a new batch's requests does not make the batch new again.
+    policy = chain_gaining(0.06, new_batch_steps=2)
+    assert policy.decide(batch(1), ["c"]).shape == chain
+    policy.current = NO_SPEC
+    assert policy.decide(batch(2), ["c", "d"]).shape == chain
+    policy.current = NO_SPEC
+    assert policy.decide(batch(2), ["c", "d"]).shape == NO_SPEC
+    # 0: a new batch is decided as a continuing one.
+    assert chain_gaining(0.03, new_batch_steps=0).decide(batch(1), ["a"]).shape == NO_SPEC
 
 
 def test_a_new_batch_keeps_the_hysteresis_between_speculative_shapes():

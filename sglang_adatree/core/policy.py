@@ -31,17 +31,20 @@ step time``. Each step, in order of precedence:
    (hysteresis: a decision does not flap on its estimates' noise).
 
    A new batch, one none of whose requests ran in the step before (at concurrency 1, every
-   request), speculates if speculating is predicted to pay at all: neither the margin nor a
-   current choice of no speculation holds it back; the hysteresis between speculative shapes
-   still does. A request's acceptance differs from the next one's far more than the shapes a
-   decision turns on differ, and only its speculative steps measure it (``RequestAcceptance``):
-   a new request served without speculation from its first step would be judged for its whole
-   answer by the requests before it. So it starts speculating, and the margin and the
-   hysteresis decide from its own steps when to stop. Leaving no speculation costs a catch-up
-   step only for requests it served; a new batch's drafts are up to date after their prefill.
-   Carried across requests, the margin and the hysteresis together would keep a server at
-   concurrency 1 without speculation until a predicted gain of about 8%: a deployment where
-   speculation gains 5-10% would seldom speculate again once it stopped.
+   request), speculates for its first ``new_batch_steps`` steps if speculating is predicted to
+   pay at all: neither the margin nor a current choice of no speculation holds it back; the
+   hysteresis between speculative shapes still does. A request's acceptance differs from the
+   next one's far more than the shapes a decision turns on differ, and only its speculative
+   steps measure it (``RequestAcceptance``): a new request served without speculation from its
+   first step would be judged for its whole answer by the requests before it. So it starts
+   speculating, and the margin and the hysteresis decide from its own steps when to stop. One
+   step is not enough to decide that: a short chain emits a single token on about half its
+   steps whatever the request, and one such step moves the request's factor far enough to flip
+   a predicted gain of several percent. Leaving no speculation costs a catch-up step only for
+   requests it served; a new batch's drafts are up to date after their prefill. Carried across
+   requests, the margin and the hysteresis together would keep a server at concurrency 1
+   without speculation until a predicted gain of about 8%: a deployment where speculation
+   gains 5-10% would seldom speculate again once it stopped.
 
 Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
@@ -178,6 +181,7 @@ class Policy:
         )
         self._ordered: tuple[np.ndarray, np.ndarray] | None = None  # (estimates, ordered)
         self._last_batch: frozenset[str] = frozenset()  # the requests of the step before
+        self._new_batch_left = 0  # steps still decided as a new batch's (``new_batch_steps``)
 
     def set_pins(self, pins: Sequence[Pin]) -> None:
         """Replace the pins, in precedence order; each pinned shape must be a candidate (its
@@ -198,7 +202,10 @@ class Policy:
         step = self.step
         self.step += 1
         # Without request ids a batch cannot be told new: it is decided as a continuing one.
-        new_batch = bool(request_ids) and self._last_batch.isdisjoint(request_ids)
+        if request_ids and self._last_batch.isdisjoint(request_ids):
+            self._new_batch_left = self.config.new_batch_steps
+        new_batch = bool(request_ids) and self._new_batch_left > 0
+        self._new_batch_left = max(self._new_batch_left - 1, 0)
         self._last_batch = frozenset(request_ids)
         times = self.cost_model.predict_ms_many(features, self.candidates)  # [candidates] ms
         emitted = self._batch_emitted(request_ids)  # [candidates] per request
