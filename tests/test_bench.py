@@ -25,6 +25,7 @@ from sglang_adatree.tools.bench.configurations import (
     chains_of,
     detect_draft_kind,
     parse_configurations,
+    with_instances,
 )
 from sglang_adatree.tools.bench.report import (
     bound_lines,
@@ -195,6 +196,42 @@ def test_adatree_priced_by_a_profile_names_it(tmp_path):
     assert "--step-time-profile" not in ada.command(m, ServerSettings(), 1, None)
     with pytest.raises(ValueError, match="--step-time-profile FILE"):
         parse_configurations(["adatree+profile"], "eagle", DEFAULT_CANDIDATES)
+
+
+def test_adatree_servers_take_settings_side_by_side():
+    assert split_items("ar,adatree@2,2,4/min_gain=0.05,adatree+profile/new_batch_steps=1") == [
+        "ar",
+        "adatree@2,2,4/min_gain=0.05",
+        "adatree+profile/new_batch_steps=1",
+    ]
+    plain, one, two = parse_configurations(
+        ["adatree+profile", "adatree+profile/new_batch_steps=1", "adatree@0/min_gain=0.05"],
+        "eagle",
+        DEFAULT_CANDIDATES,
+        "/p/cpu.json",
+    )
+    assert one.name == "adatree+profile/new_batch_steps=1" and one.decides
+    assert one.step_time_profile == plain.step_time_profile and one.slug != plain.slug
+    assert "/" not in with_instances([one], 2)[1].slug
+    assert one.env(ServerSettings())["ADATREE_NEW_BATCH_STEPS"] == "1"
+    assert "ADATREE_NEW_BATCH_STEPS" not in plain.env(ServerSettings())
+    assert two.pin == NO_SPEC and two.env(ServerSettings())["ADATREE_MIN_GAIN"] == "0.05"
+    assert one.command(models(Path("/m"), "eagle"), ServerSettings(), 1, None) == (
+        plain.command(models(Path("/m"), "eagle"), ServerSettings(), 1, None)
+    )
+    assert one.label(models(Path("/m"), "eagle")) == (
+        "adatree+profile (adatree serve, step times from /p/cpu.json) with new_batch_steps=1"
+    )
+    for bad, message in [
+        ("adatree/new_batch_steps", "is not KEY=VALUE"),
+        ("adatree/new_batch_steps=-1", "allowed"),
+        ("adatree/no_such=1", "unknown setting"),
+        ("adatree/candidate_shapes=0;1,1,2", "set by the configuration itself"),
+        ("static:2,2,4/min_gain=0.1", "adatree serve configurations only"),
+        ("ar/min_gain=0.1", "adatree serve configurations only"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_configurations([bad], "eagle", DEFAULT_CANDIDATES)
 
 
 def test_commands_as_a_user_would_run_them(tmp_path):

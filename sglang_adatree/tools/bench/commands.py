@@ -29,6 +29,7 @@ from sglang_adatree.models.paths import ModelPaths
 from sglang_adatree.sglang import allocator
 from sglang_adatree.tools.bench.client import Load
 from sglang_adatree.tools.bench.configurations import (
+    SETTING_MARK,
     Models,
     ServerSettings,
     detect_draft_kind,
@@ -98,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of ar, static:S,K,N, static:default, static:sweep, sglang-adaptive, "
         "turbospec, adatree, adatree:SHAPES (its own candidates, ';'-separated), adatree@S,K,N "
         "(pinned), adatree+profile (--step-time-profile) (shapes keep their commas: "
-        "'static:3,1,4')",
+        "'static:3,1,4'); an adatree serve one may add settings of its server: "
+        "'adatree+profile/new_batch_steps=1'",
     )
     p.add_argument(
         "--candidate-shapes",
@@ -150,14 +152,15 @@ def _option(args: argparse.Namespace, name: str) -> object:
 
 def split_items(text: str) -> list[str]:
     """Comma list whose shapes keep their commas: 'ar,static:3,1,4,adatree@2,2,4,adatree'
-    (also 'adatree:0;3,1,4', whose last shape takes the numbers that follow it)."""
+    (also 'adatree:0;3,1,4', whose last shape takes the numbers that follow it, and
+    'adatree@2,2,4/min_gain=0.05', whose settings follow the shape)."""
     items: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         last = items[-1] if items else ""
         if (
-            part.isdigit()
+            part.split(SETTING_MARK, 1)[0].isdigit()
             and last.startswith(("static:", "adatree:", "adatree@"))
             and last.rsplit(";", 1)[-1].count(",") < 2
         ):

@@ -26,6 +26,11 @@ other; only the speculative flags (and, under ``adatree serve``, the decision ru
   telemetry database, ``bench.databases``): adatree's step for that shape inside its whole
   candidate set, ``adatree@0`` its step without speculation (a candidate set must speculate,
   so no speculation alone can only be pinned).
+* any of the ``adatree serve`` configurations above followed by ``/KEY=VALUE`` settings
+  (``adatree+profile/new_batch_steps=1/min_gain=0.05``): the server runs with those settings
+  (``ADATREE_KEY=VALUE``, validated here as the server would), so two values of a setting can
+  be served side by side. Settings the configuration sets itself (its candidates, decision
+  rule, profile, database) are refused.
 
 On ``--device cpu`` every server gets the flags SGLang's speculative path needs there
 (``--disable-cuda-graph --sleep-on-idle --attention-backend adatree_cpu --sampling-backend
@@ -44,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_adatree.config import ENV_PREFIX, convert_setting
 from sglang_adatree.core.baselines import LABEL as REIMPLEMENTED
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape, parse_candidates
 from sglang_adatree.drafts import draft_kind_of
@@ -57,6 +63,12 @@ SGLANG_ALGORITHMS = {"standalone": "STANDALONE", "eagle": "EAGLE", "eagle3": "EA
 # What every CPU server gets besides --device cpu (`adatree serve` adds the same on a CPU).
 # ``adatree compare --instances``: the k-th server of a configuration is named ``NAME#k``.
 INSTANCE_MARK = "#"
+# ``adatree+profile/KEY=VALUE``: a setting of the configuration's server.
+SETTING_MARK = "/"
+# What a configuration sets on its server itself (``Configuration.command`` and ``env``).
+OWN_SETTINGS = frozenset(
+    {"candidate_shapes", "policy", "step_time_profile", "db_url", "home", "record_steps"}
+)
 CPU_SERVER_FLAGS = ("--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32")
 # The static sweep: chains and trees around SGLang's defaults, all inside the default envelope.
 DEFAULT_SWEEP: tuple[TreeShape, ...] = (
@@ -105,6 +117,7 @@ class Configuration:
     candidate_shapes: tuple[TreeShape, ...] = ()  # under adatree serve
     pin: TreeShape | None = None  # under adatree serve: pinned for every batch size
     step_time_profile: str | None = None  # under adatree serve: the profile it prices by
+    settings: tuple[tuple[str, str], ...] = ()  # under adatree serve: (name, value) overrides
 
     @property
     def is_static(self) -> bool:
@@ -118,10 +131,15 @@ class Configuration:
     @property
     def slug(self) -> str:
         """The name as a file-name part."""
-        return self.name.replace(":", "_").replace(";", "+").replace(INSTANCE_MARK, "-")
+        slug = self.name.replace(":", "_").replace(";", "+").replace(INSTANCE_MARK, "-")
+        return slug.replace(SETTING_MARK, "+").replace("=", "-")
 
     def label(self, models: Models) -> str:
         """The name with how it was run: shows which baselines are re-implementations."""
+        if self.settings:
+            plain = dataclasses.replace(self, name=self.name.split(SETTING_MARK, 1)[0], settings=())
+            given = ", ".join(f"{k}={v}" for k, v in self.settings)
+            return f"{plain.label(models)} with {given}"
         if self.kind == "ar":
             return "ar (no speculation)"
         algorithm = SGLANG_ALGORITHMS[models.draft_kind]
@@ -205,6 +223,7 @@ class Configuration:
         if self.kind == "adatree-serve":
             env["ADATREE_POLICY"] = str(self.policy)
             env["ADATREE_RECORD_STEPS"] = "true"
+            env.update((ENV_PREFIX + k.upper(), v) for k, v in self.settings)
         return env
 
 
@@ -232,6 +251,22 @@ def chains_of(candidates: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
     return tuple(s for s in candidates if s == NO_SPEC or s.is_chain)
 
 
+def parse_settings(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``NAME/KEY=VALUE/...`` -> (``NAME``, its settings); ``ValueError`` for one that is not
+    ``KEY=VALUE``, not a setting, outside its range or set by the configuration itself."""
+    name, *items = text.split(SETTING_MARK)
+    settings: dict[str, str] = {}
+    for item in items:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"{text}: {item!r} is not KEY=VALUE")
+        if key in OWN_SETTINGS:
+            raise ValueError(f"{text}: {key} is set by the configuration itself")
+        convert_setting(key, value, source=text)  # a ConfigError is a ValueError
+        settings[key] = value
+    return name, tuple(settings.items())
+
+
 def parse_configuration(
     text: str,
     draft_kind: str,
@@ -239,8 +274,28 @@ def parse_configuration(
     step_time_profile: str | None = None,
 ) -> list[Configuration]:
     """One ``--policies`` item; ``static:sweep`` expands to ``DEFAULT_SWEEP``;
-    ``adatree+profile`` needs ``step_time_profile``."""
-    name = text.strip().lower()
+    ``adatree+profile`` needs ``step_time_profile``; ``/KEY=VALUE`` settings apply to
+    ``adatree serve`` configurations only."""
+    name, settings = parse_settings(text.strip().lower())
+    configs = _parse_named(name, draft_kind, candidates, step_time_profile)
+    if not settings:
+        return configs
+    given = "".join(f"{SETTING_MARK}{k}={v}" for k, v in settings)
+    out = []
+    for config in configs:
+        if config.kind != "adatree-serve":
+            raise ValueError(f"{text}: settings apply to adatree serve configurations only")
+        out.append(dataclasses.replace(config, name=config.name + given, settings=settings))
+    return out
+
+
+def _parse_named(
+    name: str,
+    draft_kind: str,
+    candidates: Sequence[TreeShape],
+    step_time_profile: str | None,
+) -> list[Configuration]:
+    text = name
     if name == "ar":
         return [Configuration("ar", "ar")]
     if name == "static:default":
@@ -302,7 +357,8 @@ def parse_configuration(
         ]
     raise ValueError(
         f"unknown policy {text!r}; use ar, static:S,K,N, static:default, static:sweep, "
-        "sglang-adaptive, turbospec, adatree, adatree:SHAPES, adatree@S,K,N or adatree+profile"
+        "sglang-adaptive, turbospec, adatree, adatree:SHAPES, adatree@S,K,N or adatree+profile, "
+        "the adatree serve ones optionally followed by /KEY=VALUE settings"
     )
 
 
