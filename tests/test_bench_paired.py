@@ -73,6 +73,15 @@ def test_differing_answers_and_failed_requests_are_counted_not_paired():
     ]  # fmt: skip
 
 
+def test_a_long_name_keeps_the_columns_in_line():
+    long = "adatree+profile/new_batch_steps=1/min_gain=0.05"
+    samples = [sample(0, "ar", 100.0), sample(0, long, 90.0)]
+    lines = table_lines(summarize([("ar", "ar"), (long, long)], samples))
+    column = lines[0].index("TPOT ms") + len("TPOT ms")
+    assert lines[2][:column].endswith("100.0") and lines[3][:column].endswith("90.0")
+    assert lines[3].startswith(long + " ")
+
+
 def test_latency_per_token_is_paired_and_blind_to_where_the_first_token_lands():
     # The reference streams its first token a step (100 ms) late and skips the finishing
     # step, as SGLang's overlap scheduler does: the same 31 steps of 100 ms and prefill

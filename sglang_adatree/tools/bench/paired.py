@@ -206,12 +206,13 @@ def summarize(
 def table_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
     """A plain-text table; the ratio columns read "time per token against the reference"."""
     reference = summaries[0].name
+    width = max(22, *(len(s.name) for s in summaries))  # names with settings run long
 
     def num(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = (
-        f"{'configuration':<22} {'TPOT ms':>8} {'TTFT ms':>8} {'TPOT / ' + reference:>16} "
+        f"{'configuration':<{width}} {'TPOT ms':>8} {'TTFT ms':>8} {'TPOT / ' + reference:>16} "
         f"{'quartiles':>13} {'faster':>7} {'latency / ' + reference:>14} {'accept':>7} "
         f"{'same text':>10} {'errors':>6}"
     )
@@ -223,7 +224,7 @@ def table_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
             else f"{s.tpot_ratio_q1:.2f}-{num(s.tpot_ratio_q3, '.2f')}"
         )
         lines.append(
-            f"{s.name:<22} {num(s.tpot_ms, '.1f'):>8} {num(s.ttft_ms, '.0f'):>8} "
+            f"{s.name:<{width}} {num(s.tpot_ms, '.1f'):>8} {num(s.ttft_ms, '.0f'):>8} "
             f"{num(s.tpot_ratio, '.3f') + 'x':>16} {quartiles:>13} "
             f"{f'{s.faster}/{s.prompts}':>7} {num(s.latency_ratio, '.3f') + 'x':>14} "
             f"{num(s.accept_len, '.2f'):>7} "
