@@ -138,6 +138,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0 <= v <= 1000,
     ),
     Setting(
+        "new_batch_max_loss",
+        0.06,
+        "[0, 0.5]",
+        "in those steps speculation runs unless predicted to lose more than this relative "
+        "goodput against no speculation",
+        _float,
+        lambda v: 0.0 <= v <= 0.5,
+    ),
+    Setting(
         "explore_fraction",
         0.02,
         "[0, 0.5]",
@@ -309,6 +318,7 @@ class AdaTreeConfig:
     min_gain: float = DEFAULTS["min_gain"]
     no_spec_margin: float = DEFAULTS["no_spec_margin"]
     new_batch_steps: int = DEFAULTS["new_batch_steps"]
+    new_batch_max_loss: float = DEFAULTS["new_batch_max_loss"]
     explore_fraction: float = DEFAULTS["explore_fraction"]
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
     explore_seed: int = DEFAULTS["explore_seed"]

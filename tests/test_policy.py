@@ -72,7 +72,8 @@ def test_a_new_batch_speculates_if_speculating_pays_at_all():
     assert policy.decide(batch(1)).shape == NO_SPEC  # no ids: decided as a continuing batch
     assert policy.decide(batch(1), ["a"]).shape == chain  # a new request
     assert policy.decide(batch(1), ["a"]).shape == chain  # kept: 3% is inside the hysteresis
-    assert chain_gaining(-0.01).decide(batch(1), ["a"]).shape == NO_SPEC  # it must pay
+    losing = chain_gaining(-0.01, new_batch_max_loss=0.0)
+    assert losing.decide(batch(1), ["a"]).shape == NO_SPEC  # it must pay
     # 6% clears the margin but not the margin and the hysteresis together.
     policy = chain_gaining(0.06, new_batch_steps=1)
     assert policy.decide(batch(1), ["a"]).shape == chain
@@ -82,6 +83,16 @@ def test_a_new_batch_speculates_if_speculating_pays_at_all():
     policy.current = NO_SPEC
     assert policy.decide(batch(2), ["b", "c"]).shape == NO_SPEC  # "b" ran the step before
     assert policy.decide(batch(2), ["d", "e"]).shape == chain
+
+
+def test_a_new_batch_speculates_unless_predicted_to_lose_more_than_its_max_loss():
+    chain = TreeShape(1, 1, 2)
+    for gain, expected in [(-0.05, chain), (-0.07, NO_SPEC)]:
+        policy = chain_gaining(gain, new_batch_max_loss=0.06)
+        assert policy.decide(batch(1), ["a"]).shape == expected
+    policy = chain_gaining(-0.05, new_batch_max_loss=0.06, new_batch_steps=1)
+    assert policy.decide(batch(1), ["a"]).shape == chain
+    assert policy.decide(batch(1), ["a"]).shape == NO_SPEC  # a continuing batch: it must pay
 
 
 def test_a_new_batch_is_new_for_its_first_new_batch_steps():

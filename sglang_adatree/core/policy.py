@@ -31,16 +31,22 @@ step time``. Each step, in order of precedence:
    (hysteresis: a decision does not flap on its estimates' noise).
 
    A new batch, one none of whose requests ran in the step before (at concurrency 1, every
-   request), speculates for its first ``new_batch_steps`` steps if speculating is predicted to
-   pay at all: neither the margin nor a current choice of no speculation holds it back; the
-   hysteresis between speculative shapes still does. A request's acceptance differs from the
+   request), speculates for its first ``new_batch_steps`` steps unless speculating is
+   predicted to lose more than ``new_batch_max_loss`` against no speculation: neither the
+   margin nor a current choice of no speculation holds it back; the hysteresis between
+   speculative shapes still does. A request's acceptance differs from the
    next one's far more than the shapes a decision turns on differ, and only its speculative
    steps measure it (``RequestAcceptance``): a new request served without speculation from its
    first step would be judged for its whole answer by the requests before it. So it starts
    speculating, and the margin and the hysteresis decide from its own steps when to stop. One
    step is not enough to decide that: a short chain emits a single token on about half its
    steps whatever the request, and one such step moves the request's factor far enough to flip
-   a predicted gain of several percent. Leaving no speculation costs a catch-up step only for
+   a predicted gain of several percent. And a new request's estimate is the requests' before
+   it, learnt only from their speculative steps: after a stretch of hard requests it can sit
+   just below paying, and if only a predicted gain started a request speculating, a server at
+   concurrency 1 would stop measuring, and serve the easy requests after them without
+   speculation too. A bounded predicted loss on a few steps a request keeps it measuring.
+   Leaving no speculation costs a catch-up step only for
    requests it served; a new batch's drafts are up to date after their prefill. Carried across
    requests, the margin and the hysteresis together would keep a server at concurrency 1
    without speculation until a predicted gain of about 8%: a deployment where speculation
@@ -167,6 +173,14 @@ class Policy:
         self._margin = np.array(
             [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
         )
+        # A new batch's speculative goodput counts 1 / (1 - max loss): speculation is run
+        # unless predicted to lose more than that.
+        self._probe = np.array(
+            [
+                1.0 / (1.0 - config.new_batch_max_loss) if s.speculative else 1.0
+                for s in self.candidates
+            ]
+        )
         self._warmup_steps = 0  # steps the warm-up has run (pinned steps are not among them)
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
@@ -216,7 +230,7 @@ class Policy:
         if warming is not None:
             return self._decision(warming, DecisionSource.WARMUP, times, emitted)
         # Goodput up to the batch size, which is common to all candidates.
-        score = emitted * (1.0 if new_batch else self._margin) / times  # [candidates]
+        score = emitted * (self._probe if new_batch else self._margin) / times  # [candidates]
         best = int(np.argmax(score))
         current = None
         if self.current is not None and (self.current.speculative or not new_batch):
