@@ -139,7 +139,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "new_batch_max_loss",
-        0.06,
+        0.0,
         "[0, 0.5]",
         "in those steps speculation runs unless predicted to lose more than this relative "
         "goodput against no speculation",

@@ -45,7 +45,10 @@ step time``. Each step, in order of precedence:
    it, learnt only from their speculative steps: after a stretch of hard requests it can sit
    just below paying, and if only a predicted gain started a request speculating, a server at
    concurrency 1 would stop measuring, and serve the easy requests after them without
-   speculation too. A bounded predicted loss on a few steps a request keeps it measuring.
+   speculation too (until exploration measured them). A bounded predicted loss on a few steps
+   a request keeps it measuring, at the price of those steps where speculation does not pay:
+   off by default, since where speculation barely pays the served probes cost more than they
+   found (``docs/results.md``).
    Leaving no speculation costs a catch-up step only for
    requests it served; a new batch's drafts are up to date after their prefill. Carried across
    requests, the margin and the hysteresis together would keep a server at concurrency 1
