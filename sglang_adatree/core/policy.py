@@ -31,29 +31,27 @@ step time``. Each step, in order of precedence:
    (hysteresis: a decision does not flap on its estimates' noise).
 
    A new batch, one none of whose requests ran in the step before (at concurrency 1, every
-   request), speculates for its first ``new_batch_steps`` steps unless speculating is
-   predicted to lose more than ``new_batch_max_loss`` against no speculation: neither the
-   margin nor a current choice of no speculation holds it back; the hysteresis between
-   speculative shapes still does. A request's acceptance differs from the
-   next one's far more than the shapes a decision turns on differ, and only its speculative
-   steps measure it (``RequestAcceptance``): a new request served without speculation from its
-   first step would be judged for its whole answer by the requests before it. So it starts
-   speculating, and the margin and the hysteresis decide from its own steps when to stop. One
-   step is not enough to decide that: a short chain emits a single token on about half its
-   steps whatever the request, and one such step moves the request's factor far enough to flip
-   a predicted gain of several percent. And a new request's estimate is the requests' before
-   it, learnt only from their speculative steps: after a stretch of hard requests it can sit
-   just below paying, and if only a predicted gain started a request speculating, a server at
-   concurrency 1 would stop measuring, and serve the easy requests after them without
-   speculation too (until exploration measured them). A bounded predicted loss on a few steps
-   a request keeps it measuring, at the price of those steps where speculation does not pay:
-   off by default, since where speculation barely pays the served probes cost more than they
-   found (``docs/results.md``).
-   Leaving no speculation costs a catch-up step only for
-   requests it served; a new batch's drafts are up to date after their prefill. Carried across
-   requests, the margin and the hysteresis together would keep a server at concurrency 1
-   without speculation until a predicted gain of about 8%: a deployment where speculation
-   gains 5-10% would seldom speculate again once it stopped.
+   request), speculates for its first ``new_batch_steps`` steps unless speculating is predicted
+   to lose more than ``new_batch_max_loss`` against no speculation: neither the margin nor a
+   current choice of no speculation holds it back; the hysteresis between speculative shapes
+   still does. A request's acceptance differs from the next one's far more than the shapes a
+   decision turns on differ, and only its speculative steps measure it (``RequestAcceptance``):
+   a new request served without speculation from its first step would be judged for its whole
+   answer by the requests before it. So it starts speculating, and the margin and the hysteresis
+   decide from its own steps when to stop. One step is not enough to decide that: a short chain
+   emits a single token on about half its steps whatever the request, and one such step moves
+   the request's factor far enough to flip a predicted gain of several percent. And a new
+   request's estimate is the requests' before it, learnt only from their speculative steps:
+   after a stretch of hard requests it can sit just below paying, and if only a predicted gain
+   started a request speculating, a server at concurrency 1 would stop measuring, and serve the
+   easy requests after them without speculation too (until exploration measured them). A bounded
+   predicted loss on a few steps a request keeps it measuring, at the price of those steps where
+   speculation does not pay: off by default, since where speculation barely pays the served
+   probes cost more than they found (``docs/results.md``). Leaving no speculation costs a
+   catch-up step only for requests it served; a new batch's drafts are up to date after their
+   prefill. Carried across requests, the margin and the hysteresis together would keep a server
+   at concurrency 1 without speculation until a predicted gain of about 8%: a deployment where
+   speculation gains 5-10% would seldom speculate again once it stopped.
 
 Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
