@@ -295,7 +295,7 @@ def _parse_named(
     candidates: Sequence[TreeShape],
     step_time_profile: str | None,
 ) -> list[Configuration]:
-    text = name
+    """The configurations a ``--policies`` name stands for, settings aside."""
     if name == "ar":
         return [Configuration("ar", "ar")]
     if name == "static:default":
@@ -305,7 +305,7 @@ def _parse_named(
     if name.startswith("static:"):
         shape = TreeShape.parse(name.split(":", 1)[1])
         if not shape.speculative:
-            raise ValueError(f"{text}: a static shape must speculate (use 'ar' for none)")
+            raise ValueError(f"{name}: a static shape must speculate (use 'ar' for none)")
         return [Configuration(f"static:{shape}", "static", shape=shape)]
     if name == "sglang-adaptive" and draft_kind in ("eagle", "eagle3"):
         return [Configuration("sglang-adaptive", "builtin-adaptive")]
@@ -321,7 +321,7 @@ def _parse_named(
     if name == "adatree+profile":
         if step_time_profile is None:
             raise ValueError(
-                f"{text}: name the profile with --step-time-profile FILE (`adatree profile "
+                f"{name}: name the profile with --step-time-profile FILE (`adatree profile "
                 "--shapes candidates --profile-out FILE` writes one)"
             )
         return [
@@ -337,7 +337,7 @@ def _parse_named(
         pin = TreeShape.parse(name.split("@", 1)[1])
         if pin not in candidates:
             allowed = " ".join(str(s) for s in candidates)
-            raise ValueError(f"{text}: {pin} is not a candidate shape; pin one of {allowed}")
+            raise ValueError(f"{name}: {pin} is not a candidate shape; pin one of {allowed}")
         return [
             Configuration(
                 f"adatree@{pin}",
@@ -356,7 +356,7 @@ def _parse_named(
             )
         ]
     raise ValueError(
-        f"unknown policy {text!r}; use ar, static:S,K,N, static:default, static:sweep, "
+        f"unknown policy {name!r}; use ar, static:S,K,N, static:default, static:sweep, "
         "sglang-adaptive, turbospec, adatree, adatree:SHAPES, adatree@S,K,N or adatree+profile, "
         "the adatree serve ones optionally followed by /KEY=VALUE settings"
     )
