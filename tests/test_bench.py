@@ -212,7 +212,9 @@ def test_adatree_servers_take_settings_side_by_side():
     )
     assert one.name == "adatree+profile/new_batch_steps=1" and one.decides
     assert one.step_time_profile == plain.step_time_profile and one.slug != plain.slug
-    assert "/" not in with_instances([one], 2)[1].slug
+    twin = with_instances([one], 2)[1]
+    assert "/" not in twin.slug
+    assert twin.label(models(Path("/m"), "eagle")).startswith("adatree+profile#2 (adatree serve")
     assert one.env(ServerSettings())["ADATREE_NEW_BATCH_STEPS"] == "1"
     assert "ADATREE_NEW_BATCH_STEPS" not in plain.env(ServerSettings())
     assert two.pin == NO_SPEC and two.env(ServerSettings())["ADATREE_MIN_GAIN"] == "0.05"

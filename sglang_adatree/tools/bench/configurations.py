@@ -129,6 +129,11 @@ class Configuration:
         return self.kind == "adatree-serve" and self.pin is None and len(self.candidate_shapes) > 1
 
     @property
+    def settings_text(self) -> str:
+        """Its settings as its name carries them: ``/KEY=VALUE`` each, or empty."""
+        return "".join(f"{SETTING_MARK}{k}={v}" for k, v in self.settings)
+
+    @property
     def slug(self) -> str:
         """The name as a file-name part."""
         slug = self.name.replace(":", "_").replace(";", "+").replace(INSTANCE_MARK, "-")
@@ -137,7 +142,10 @@ class Configuration:
     def label(self, models: Models) -> str:
         """The name with how it was run: shows which baselines are re-implementations."""
         if self.settings:
-            plain = dataclasses.replace(self, name=self.name.split(SETTING_MARK, 1)[0], settings=())
+            # The name without its settings, an instance mark (``NAME#k``) kept.
+            plain = dataclasses.replace(
+                self, name=self.name.replace(self.settings_text, "", 1), settings=()
+            )
             given = ", ".join(f"{k}={v}" for k, v in self.settings)
             return f"{plain.label(models)} with {given}"
         if self.kind == "ar":
@@ -280,12 +288,14 @@ def parse_configuration(
     configs = _parse_named(name, draft_kind, candidates, step_time_profile)
     if not settings:
         return configs
-    given = "".join(f"{SETTING_MARK}{k}={v}" for k, v in settings)
     out = []
     for config in configs:
         if config.kind != "adatree-serve":
             raise ValueError(f"{text}: settings apply to adatree serve configurations only")
-        out.append(dataclasses.replace(config, name=config.name + given, settings=settings))
+        with_settings = dataclasses.replace(config, settings=settings)
+        out.append(
+            dataclasses.replace(with_settings, name=config.name + with_settings.settings_text)
+        )
     return out
 
 
