@@ -46,8 +46,20 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     assert sum(gap.values()) == pytest.approx(
         1 - by["adatree"]["ratio_to_per_step_oracle"], abs=2e-3
     )
+    # Every policy that runs the step controller says how its predictions held; the
+    # references predict nothing.
+    controlled = {"adatree", "turbospec", "sglang-adaptive"}
+    assert all(
+        ("estimates" in r) == (r["policy"] in controlled or "+" in r["policy"]) for r in rows
+    )
+    estimates = by["adatree"]["estimates"]
+    assert 0 < estimates["chosen_steps"] <= by["adatree"]["steps"]
+    bias = estimates["chosen_predicted"] / estimates["chosen_emitted"] - 1
+    assert estimates["chosen_bias"] == pytest.approx(bias, abs=2e-4)
     assert "shapes chosen over time" in page.read_text()
-    assert "adatree" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "adatree" in printed and "estimates: chosen speculative steps" in printed
+    assert "on the speculative steps it chose" in printed
     # Deterministic: the same command gives the same rows.
     again = tmp_path / "again.json"
     assert cli.main([*args, "--out", str(again)]) == 0

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.features import StepFeatures
+from sglang_adatree.core.policy import DecisionSource
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 from sglang_adatree.core.step_profile import TableProfile
 from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
@@ -193,6 +194,70 @@ def test_the_runner_scores_every_policy_and_splits_adatrees_loss():
     assert sum(result.decomposition.values()) == pytest.approx(gap, abs=1e-9)
     # With every estimate true the loop is close to the per-step oracle.
     assert result.ratio(f"adatree+{'+'.join(DECOMPOSITION)}", "per-step-oracle") > 0.9
+
+
+def _logged_controller(log: list):
+    """A controller chooser factory whose controller logs every finished step's shape,
+    decision, emitted tokens and measured time."""
+    make = controller_chooser_factory(CONFIG, TRACES)
+
+    def logged(machine, clock):
+        chooser = make(machine, clock)
+        finish = chooser.controller.finish
+
+        def finish_logged(ticket, outcome):
+            emitted = [a + 1 for a in outcome.accepted_per_request]
+            log.append((ticket.decision.shape, ticket.decision, emitted, outcome.measured_ms))
+            return finish(ticket, outcome)
+
+        chooser.controller.finish = finish_logged
+        return chooser
+
+    return logged
+
+
+@pytest.mark.parametrize("warmup_requests", [0, 3])
+def test_the_estimates_are_what_the_controller_predicted_for_its_measured_steps(warmup_requests):
+    log: list = []
+    sim = SimConfig(
+        Arrivals("closed", concurrency=2), num_requests=8, noise=0.05,
+        warmup_requests=warmup_requests,
+    )  # fmt: skip
+    run = simulate(TRACES, profile(), sim, _logged_controller(log), "adatree")
+    steps = log[len(log) - run.steps :]  # the warm-up requests' steps are not counted
+    assert warmup_requests == 0 or len(steps) < len(log)
+
+    def of(sources):
+        rows = [(d, e) for s, d, e, _ in steps if s.speculative and d.source in sources]
+        n = sum(len(e) for _, e in rows)
+        return (
+            len(rows),
+            sum(d.predicted_emitted * len(e) for d, e in rows) / n,
+            sum(sum(e) for _, e in rows) / n,
+        )
+
+    est = run.estimates
+    chosen = of({DecisionSource.MODEL, DecisionSource.FALLBACK})
+    explored = of({DecisionSource.EXPLORE})
+    assert (est.chosen_steps, est.chosen_predicted, est.chosen_emitted) == pytest.approx(chosen)
+    assert (est.explored_steps, est.explored_predicted, est.explored_emitted) == pytest.approx(
+        explored
+    )
+    assert est.chosen_bias == pytest.approx(chosen[1] / chosen[2] - 1)
+    speculative = [(d, e) for s, d, e, _ in steps if s.speculative]
+    assert est.emitted_abs_error == pytest.approx(
+        sum(abs(d.predicted_emitted - x) for d, e in speculative for x in e)
+        / sum(len(e) for _, e in speculative)
+    )
+    priced = [(d, ms) for _, d, _, ms in steps if d.source is not DecisionSource.CATCH_UP]
+    assert est.step_ms_rel_error == pytest.approx(
+        sum(abs(d.predicted_ms - ms) / ms for d, ms in priced) / len(priced)
+    )
+    # The references predict nothing.
+    assert (
+        simulate(TRACES, profile(), sim, lambda m, c: static_chooser(SHAPES[3]), "s").estimates
+        is None
+    )
 
 
 def test_warm_up_requests_are_served_first_and_not_measured():

@@ -3,10 +3,13 @@
 One row per (scenario, policy) with the fields ``adatree simulate --out`` promises: ``policy,
 scenario, goodput_tok_s, tpot_ms_p50, tpot_ms_p99, accept_len_mean, steps, shape_shares,
 ratio_to_oracle_static, ratio_to_per_step_oracle`` and what the scenario replayed; adatree's row
-also splits its gap to the per-step oracle by cause (``gap_by_cause``). The summary
-names the best single static shape over the grid (the one with the best geometric mean of its
-ratio to each scenario's oracle static shape) and adatree's geometric-mean ratios to it, to the
-oracle static shape and to the per-step oracle, and its worst ratio to ``ar``.
+also splits its gap to the per-step oracle by cause (``gap_by_cause``), and every policy that
+runs the step controller says how its predictions held on the steps it ran (``estimates``,
+``simulator.EstimateErrors``). The summary names the best single static shape over the grid
+(the one with the best geometric mean of its ratio to each scenario's oracle static shape) and
+adatree's geometric-mean ratios to it, to the oracle static shape and to the per-step oracle,
+its worst ratio to ``ar``, and how far its predictions ran above what its chosen speculative
+steps emitted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import plotly.graph_objects as go
 
 from sglang_adatree.lab.runner import DECOMPOSITION, ScenarioResult
 from sglang_adatree.lab.scenarios import Scenario
+from sglang_adatree.lab.simulator import EstimateErrors
 
 SHOWN = ("adatree", "oracle-static", "ar", "turbospec", "sglang-adaptive", "per-step-oracle")
 
@@ -66,10 +70,28 @@ def rows(replayed: Sequence[Replayed]) -> list[dict[str, Any]]:
                     "oracle_static_shape": res.oracle_static,
                 }
             )
+            if run.estimates is not None:
+                out[-1]["estimates"] = _estimates_row(run.estimates)
             if policy == "adatree" and res.decomposition:
                 # adatree's gap to the per-step oracle by cause, as shares of the oracle's goodput
                 out[-1]["gap_by_cause"] = {k: round(v, 4) for k, v in res.decomposition.items()}
     return out
+
+
+def _estimates_row(e: EstimateErrors) -> dict[str, Any]:
+    def r(x: float) -> float | None:
+        return round(x, 4) if math.isfinite(x) else None
+
+    return {
+        "chosen_steps": e.chosen_steps,
+        "chosen_predicted": r(e.chosen_predicted),
+        "chosen_emitted": r(e.chosen_emitted),
+        "chosen_bias": r(e.chosen_bias),
+        "explored_steps": e.explored_steps,
+        "explored_bias": r(e.explored_bias),
+        "emitted_abs_error": r(e.emitted_abs_error),
+        "step_ms_rel_error": r(e.step_ms_rel_error),
+    }
 
 
 def geomean(values: Sequence[float]) -> float:
@@ -86,6 +108,9 @@ class Summary:
     vs_per_step_oracle: float
     worst_vs_ar: float
     worst_vs_oracle_static: float
+    # adatree's chosen speculative steps: predicted over emitted tokens less 1, mean over the
+    # scenarios that had any
+    chosen_bias: float
 
     def lines(self) -> list[str]:
         return [
@@ -96,6 +121,8 @@ class Summary:
             f" ({self.best_single_static})",
             f"  to the per-step oracle       {self.vs_per_step_oracle:.3f}",
             f"  worst ratio to ar            {self.worst_vs_ar:.3f}",
+            "adatree's predicted emitted tokens on the speculative steps it chose, against what",
+            f"  they emitted (mean over scenarios) {self.chosen_bias:+.1%}",
         ]
 
 
@@ -120,7 +147,15 @@ def summarize(replayed: Sequence[Replayed]) -> Summary | None:
         vs_per_step_oracle=geomean([r.ratio("adatree", "per-step-oracle") for r in results]),
         worst_vs_ar=min(r.ratio("adatree", "ar") for r in results),
         worst_vs_oracle_static=min(r.ratio("adatree", "oracle-static") for r in results),
+        chosen_bias=_mean(
+            [e.chosen_bias for r in results if (e := r.runs["adatree"].estimates) is not None]
+        ),
     )
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def table(replayed: Sequence[Replayed]) -> str:
@@ -141,6 +176,15 @@ def table(replayed: Sequence[Replayed]) -> str:
             f"{res.ratio('adatree', 'ar'):6.3f} {res.ratio('adatree', 'per-step-oracle'):7.3f}"
             f"  {res.oracle_static}"
         )
+        estimates = res.runs["adatree"].estimates if "adatree" in res.runs else None
+        if estimates is not None and estimates.chosen_steps:
+            lines.append(
+                f"{'':32s}   estimates: chosen speculative steps {estimates.chosen_steps}, "
+                f"emitted {estimates.chosen_emitted:.2f} predicted {estimates.chosen_predicted:.2f}"
+                f" ({estimates.chosen_bias:+.1%}); explored {estimates.explored_steps}"
+                f" ({estimates.explored_bias:+.1%}); |error| {estimates.emitted_abs_error:.2f}"
+                f" tokens, step time {estimates.step_ms_rel_error:.1%}"
+            )
         if res.decomposition and res.ratio("adatree", "oracle-static") < 1.0:
             parts = ", ".join(f"{c} {res.decomposition[c]:+.1%}" for c in (*DECOMPOSITION, "rest"))
             lines.append(f"{'':32s}   gap to the per-step oracle by cause: {parts}")

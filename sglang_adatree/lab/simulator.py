@@ -43,7 +43,7 @@ from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
 from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
-from sglang_adatree.core.policy import DecisionSource
+from sglang_adatree.core.policy import Decision, DecisionSource
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 from sglang_adatree.core.step_profile import StepTimeProfile
 from sglang_adatree.lab.traces import RequestTrace, TraceSet
@@ -125,6 +125,98 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class EstimateErrors:
+    """What a step controller predicted for the steps it ran, against what they did, over a
+    run's measured requests.
+
+    Emitted tokens are per request: a step's prediction (``Decision.predicted_emitted``) against
+    each request's emitted tokens, averaged over request-steps. ``chosen``: the speculative steps
+    the policy chose on its estimates (``MODEL`` or ``FALLBACK``). It runs the shape whose
+    estimate is highest, and an estimate that happens to be high is chosen more often than one
+    that happens to be low, so these steps emit less than predicted even when every estimate is
+    right on average (the winner's curse); a bias here is what pushes a policy into shapes, or
+    into speculation, that do not pay. ``explored``: exploring steps, which run a shape whose
+    estimate lost, so the curse runs the other way. Step times: the relative error of every
+    step whose time teaches the cost model (not catch-up steps).
+    """
+
+    chosen_steps: int
+    chosen_predicted: float  # mean predicted emitted tokens per request on chosen steps
+    chosen_emitted: float  # mean emitted tokens per request on them
+    explored_steps: int
+    explored_predicted: float
+    explored_emitted: float
+    emitted_abs_error: float  # mean |predicted - emitted| per request, every speculative step
+    step_ms_rel_error: float  # mean |predicted - measured| / measured step time
+
+    @property
+    def chosen_bias(self) -> float:
+        """How far the chosen steps' predictions ran above what they emitted (0.05: 5% high)."""
+        return _over(self.chosen_predicted, self.chosen_emitted)
+
+    @property
+    def explored_bias(self) -> float:
+        """The same for the exploring steps."""
+        return _over(self.explored_predicted, self.explored_emitted)
+
+
+def _over(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0 if measured > 0 else math.nan
+
+
+class _EstimateTally:
+    """Sums behind ``EstimateErrors``."""
+
+    def __init__(self) -> None:
+        # Per kind of step: steps, request-steps, sum of predictions, sum of emitted tokens.
+        self.kinds = {"chosen": [0, 0, 0.0, 0.0], "explored": [0, 0, 0.0, 0.0]}
+        self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
+        self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
+
+    def add(
+        self, shape: TreeShape, decision: Decision, emitted: Sequence[int], measured_ms: float
+    ) -> None:
+        if decision.source.teaches_cost_model and measured_ms > 0:
+            self.step_error[0] += 1
+            self.step_error[1] += abs(decision.predicted_ms - measured_ms) / measured_ms
+        if not shape.speculative:
+            return
+        predicted = decision.predicted_emitted
+        self.abs_error[0] += len(emitted)
+        self.abs_error[1] += sum(abs(predicted - e) for e in emitted)
+        kind = _KINDS.get(decision.source)
+        if kind is not None:
+            sums = self.kinds[kind]
+            sums[0] += 1
+            sums[1] += len(emitted)
+            sums[2] += predicted * len(emitted)
+            sums[3] += sum(emitted)
+
+    def result(self) -> EstimateErrors:
+        def mean(total: float, n: int) -> float:
+            return total / n if n else math.nan
+
+        chosen, explored = self.kinds["chosen"], self.kinds["explored"]
+        return EstimateErrors(
+            chosen_steps=int(chosen[0]),
+            chosen_predicted=mean(chosen[2], chosen[1]),
+            chosen_emitted=mean(chosen[3], chosen[1]),
+            explored_steps=int(explored[0]),
+            explored_predicted=mean(explored[2], explored[1]),
+            explored_emitted=mean(explored[3], explored[1]),
+            emitted_abs_error=mean(self.abs_error[1], self.abs_error[0]),
+            step_ms_rel_error=mean(self.step_error[1], self.step_error[0]),
+        )
+
+
+_KINDS = {
+    DecisionSource.MODEL: "chosen",
+    DecisionSource.FALLBACK: "chosen",
+    DecisionSource.EXPLORE: "explored",
+}
+
+
+@dataclass(frozen=True)
 class RunResult:
     """What one policy did in one run."""
 
@@ -141,6 +233,8 @@ class RunResult:
     decode_tokens: int  # tokens the decode steps emitted (the first of each is the prefill's)
     # The decode steps in order: time (s) and shape, for the charts.
     timeline: tuple[tuple[float, str], ...] = field(default=(), repr=False)
+    # A step controller's predictions against its steps; None for the references.
+    estimates: EstimateErrors | None = None
 
 
 @dataclass
@@ -275,6 +369,7 @@ class ControllerChooser:
         # decomposition's switching variant).
         self.charge_catch_up = True
         self.refits = True  # hand the controller its refits, as the control poller would
+        self.estimates = _EstimateTally()
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
         if self.before_begin is not None:
@@ -299,6 +394,7 @@ class ControllerChooser:
                     np.stack([t.num_children[p, column, :steps] for t, p in pairs]),  # [B, S]
                     np.stack([t.accepted_rank[p, column, :steps] for t, p in pairs]),
                 )
+            self.estimates.add(shape, ticket.decision, emitted, ms)
             accepted = tuple(e - 1 for e in emitted)
             self.controller.finish(ticket, StepOutcome(ms, accepted, self.clock(), paths))
             update = self.controller.refit() if self.refits else None
@@ -421,6 +517,9 @@ def simulate(
             _ArrivalSchedule(Arrivals("closed", concurrency=1), rng),
             _Tally(0.0),
         )
+    controlled = isinstance(chooser, ControllerChooser)
+    if controlled:
+        chooser.estimates = _EstimateTally()  # the measured requests' steps only
     tally = _Tally(now[0])
     serve(drawn[cfg.warmup_requests :], _ArrivalSchedule(cfg.arrivals, rng), tally)
     finished = tally.finished
@@ -441,6 +540,7 @@ def simulate(
         decode_s=tally.decode_s,
         decode_tokens=tally.emitted,
         timeline=tuple(tally.timeline),
+        estimates=chooser.estimates.result() if controlled else None,
     )
 
 
