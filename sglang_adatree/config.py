@@ -205,6 +205,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 1e6,
     ),
     Setting(
+        "shape_factor_prior_weight",
+        60.0,
+        "[0, 1e6]",
+        "pseudo-requests at factor 1 behind each shape's correction of the positional "
+        "acceptance model",
+        _float,
+        lambda v: 0.0 <= v <= 1e6,
+    ),
+    Setting(
         "request_prior_steps",
         8.0,
         "[0, 1e6]",
@@ -326,6 +335,7 @@ class AdaTreeConfig:
     acceptance_decay: float = DEFAULTS["acceptance_decay"]
     acceptance_prior: float = DEFAULTS["acceptance_prior"]
     acceptance_prior_weight: float = DEFAULTS["acceptance_prior_weight"]
+    shape_factor_prior_weight: float = DEFAULTS["shape_factor_prior_weight"]
     request_prior_steps: float = DEFAULTS["request_prior_steps"]
     request_keep: float = DEFAULTS["request_keep"]
     residual_decay: float = DEFAULTS["residual_decay"]

@@ -244,7 +244,7 @@ def test_the_shape_with_the_most_evidence_is_predicted_by_the_hazards_alone():
 
 def test_corrected_estimates_stay_possible():
     # A shape that emitted more than its model predicts is clipped at steps + 1.
-    est = AcceptanceEstimator(prior=0.5, prior_weight=0.0, refresh_every=1)
+    est = AcceptanceEstimator(prior=0.5, prior_weight=0.0, refresh_every=1, factor_prior_weight=0.0)
     tree, chain = TreeShape(2, 2, 4), TreeShape(1, 1, 2)
     for i in range(150):
         est.observe(tree, np.array([[2, 0]]), np.array([[-1, -1]]))  # nothing accepted
@@ -254,6 +254,34 @@ def test_corrected_estimates_stay_possible():
     assert est.correction(tree) == 1.0  # the most evidence: the reference
     assert est.correction(chain) > 2.0 / est.model_emitted(chain)
     assert est.expected_emitted(chain) == 2.0
+
+
+def chain_factor_after(chain_streaks: int, factor_prior_weight: float) -> float:
+    """The chain 3,1,4's correction after the tree 3,2,6 ran 2000 steps and the chain ran
+    ``chain_streaks`` streaks of 10 steps among the last ones, both under TRUE_HAZARDS except the
+    chain's deep tokens, accepted less often (as in the test above)."""
+    tree, chain = TreeShape(3, 2, 6), TreeShape(3, 1, 4)
+    chain_hazards = TRUE_HAZARDS.copy()
+    chain_hazards[1:, 0] *= 0.6
+    est = AcceptanceEstimator(prior=0.5, factor_prior_weight=factor_prior_weight)
+    rng = np.random.default_rng(5)
+    for i in range(2000):
+        runs_chain = i % 100 < 10 and i // 100 >= 20 - chain_streaks
+        shape, hazards = (chain, chain_hazards) if runs_chain else (tree, TRUE_HAZARDS)
+        est.observe(shape, *sample_path_stats(shape, 1, hazards, rng))
+    est.refresh()
+    return est.correction(chain)
+
+
+def test_a_shape_factor_is_shrunk_towards_1_by_its_prior_weight():
+    # The policy runs the shape whose estimate is highest, so a factor moved by a few lucky
+    # steps is acted on: a heavier prior keeps a factor measured on a few steps nearer 1, and
+    # takes a smaller share off one measured on many, which still corrects the model's bias.
+    few = [1.0 - chain_factor_after(1, w) for w in (20.0, 60.0)]
+    many = [1.0 - chain_factor_after(20, w) for w in (20.0, 60.0)]
+    assert 0.0 < few[1] < 0.5 * few[0]
+    assert 0.0 < many[1] < many[0] and many[1] / many[0] > 0.6
+    assert many[1] > 0.1
 
 
 def test_steps_before_the_first_refresh_set_no_shape_factor():

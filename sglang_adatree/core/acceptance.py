@@ -45,17 +45,20 @@ shape with the most evidence. A shape's raw factor is the mean, per request, of 
 the emitted tokens of its verify steps to what the model predicted for those requests (as of the
 last refresh, scaled by the requests' own acceptance factors, ``RequestAcceptance``: as the
 policy saw it), forgotten ``FACTOR_SPEED`` times faster than the counts and shrunk towards 1 by
-``prior_weight`` pseudo-requests. Measured against the requests' own level, a shape that ran
-only through a hard request, as an exploring step does, is not read as a worse shape: a step's
-emitted tokens vary far more from one request to the next than between the shapes a decision
-turns on. A request counts with the model's confidence then (``confidence()``: while the
-hazards are mostly prior, a miss says nothing about the shape). Every factor is then divided by
-the raw factor of the shape with the most evidence, so that shape is predicted by the hazards
-alone and the level of every estimate stays the hazards': a factor that also moved the level
-would add its own noise to the choice between speculating and not (in ``tests/test_policy.py``'s
-batch-1 simulation it cost the paying chain its share of the steps on 4 of 6 seeds), and would
-take up the hazards' lag after a change of acceptance for whichever shape was running.
-The corrected estimate is clipped to ``[1, steps + 1]``.
+``factor_prior_weight`` pseudo-requests (``shape_factor_prior_weight``). The policy runs the
+shape whose estimate is highest, so a factor lifted by a few lucky steps is acted on and one
+lowered is not: on the speculative steps it chose, its predictions ran above what the steps
+emitted, and a heavier prior narrows that (``docs/results.md``). Measured against the requests'
+own level, a shape that ran only through a hard request, as an exploring step does, is not read
+as a worse shape: a step's emitted tokens vary far more from one request to the next than
+between the shapes a decision turns on. A request counts with the model's confidence then
+(``confidence()``: while the hazards are mostly prior, a miss says nothing about the shape).
+Every factor is then divided by the raw factor of the shape with the most evidence, so that
+shape is predicted by the hazards alone and the level of every estimate stays the hazards': a
+factor that also moved the level would add its own noise to the choice between speculating and
+not (in ``tests/test_policy.py``'s batch-1 simulation it cost the paying chain its share of the
+steps on 4 of 6 seeds), and would take up the hazards' lag after a change of acceptance for
+whichever shape was running. The corrected estimate is clipped to ``[1, steps + 1]``.
 
 Estimates used for decisions change only at refreshes (every ``refresh_every`` observations or
 on ``refresh()``), so the hot path reads cached numbers and every rank that saw the same
@@ -150,12 +153,16 @@ class AcceptanceEstimator:
         prior_weight: float = DEFAULTS["acceptance_prior_weight"],
         decay: float = DEFAULTS["acceptance_decay"],
         refresh_every: int = DEFAULT_REFRESH_EVERY,
+        factor_prior_weight: float = DEFAULTS["shape_factor_prior_weight"],
     ) -> None:
         if not 0.0 < prior < 1.0 or prior_weight < 0.0 or not 0.0 < decay <= 1.0:
             raise ValueError(f"bad estimator settings: {prior=}, {prior_weight=}, {decay=}")
+        if factor_prior_weight < 0.0:
+            raise ValueError(f"factor_prior_weight must be >= 0, got {factor_prior_weight}")
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         self.prior_weight = prior_weight
+        self.factor_prior_weight = factor_prior_weight
         self.decay = decay
         self.refresh_every = refresh_every
         ranks = np.arange(MAX_TOPK, dtype=np.float64)
@@ -183,6 +190,7 @@ class AcceptanceEstimator:
             prior=config.acceptance_prior,
             prior_weight=config.acceptance_prior_weight,
             decay=config.acceptance_decay,
+            factor_prior_weight=config.shape_factor_prior_weight,
             **kwargs,
         )
 
@@ -284,7 +292,7 @@ class AcceptanceEstimator:
     def _shape_factors(self, counts: _Counts) -> dict[TreeShape, float]:
         """Per measured shape, its ratios' weighted mean shrunk towards 1, divided by that of
         the shape with the most evidence, whose factor is thus 1."""
-        k = self.prior_weight
+        k = self.factor_prior_weight
         out = {}
         for shape, w in counts.ratio_weight.items():
             if w + k > 0:
