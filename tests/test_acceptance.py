@@ -257,9 +257,10 @@ def test_corrected_estimates_stay_possible():
 
 
 def chain_factor_after(chain_streaks: int, factor_prior_weight: float) -> float:
-    """The chain 3,1,4's correction after the tree 3,2,6 ran 2000 steps and the chain ran
-    ``chain_streaks`` streaks of 10 steps among the last ones, both under TRUE_HAZARDS except the
-    chain's deep tokens, accepted less often (as in the test above)."""
+    """The chain 3,1,4's correction after 2000 steps of the tree 3,2,6 but for
+    ``chain_streaks`` streaks of 10 steps of the chain among the last ones, both under
+    TRUE_HAZARDS except the chain's deep tokens, accepted less often (as in
+    ``test_a_shape_the_positional_model_overrates_gets_corrected``)."""
     tree, chain = TreeShape(3, 2, 6), TreeShape(3, 1, 4)
     chain_hazards = TRUE_HAZARDS.copy()
     chain_hazards[1:, 0] *= 0.6

@@ -59,7 +59,7 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     assert "shapes chosen over time" in page.read_text()
     printed = capsys.readouterr().out
     assert "adatree" in printed and "estimates: chosen speculative steps" in printed
-    assert "on the speculative steps it chose" in printed
+    assert "chosen speculative steps, predicted over emitted tokens" in printed
     # Deterministic: the same command gives the same rows.
     again = tmp_path / "again.json"
     assert cli.main([*args, "--out", str(again)]) == 0

@@ -113,6 +113,12 @@ class Summary:
     chosen_bias: float
 
     def lines(self) -> list[str]:
+        bias = []
+        if math.isfinite(self.chosen_bias):
+            bias = [
+                "adatree's chosen speculative steps, predicted over emitted tokens:",
+                f"  mean over scenarios          {self.chosen_bias:+.1%}",
+            ]
         return [
             f"{self.scenarios} scenarios; geometric means of adatree's goodput ratio:",
             f"  to the oracle static shape   {self.vs_oracle_static:.3f}"
@@ -121,8 +127,7 @@ class Summary:
             f" ({self.best_single_static})",
             f"  to the per-step oracle       {self.vs_per_step_oracle:.3f}",
             f"  worst ratio to ar            {self.worst_vs_ar:.3f}",
-            "adatree's predicted emitted tokens on the speculative steps it chose, against what",
-            f"  they emitted (mean over scenarios) {self.chosen_bias:+.1%}",
+            *bias,
         ]
 
 
