@@ -54,6 +54,7 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     )
     estimates = by["adatree"]["estimates"]
     assert 0 < estimates["chosen_steps"] <= by["adatree"]["steps"]
+    assert estimates["declined_steps"] >= 0 and "declined_bias" in estimates
     bias = estimates["chosen_predicted"] / estimates["chosen_emitted"] - 1
     assert estimates["chosen_bias"] == pytest.approx(bias, abs=2e-4)
     assert "shapes chosen over time" in page.read_text()

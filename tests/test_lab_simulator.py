@@ -260,6 +260,45 @@ def test_the_estimates_are_what_the_controller_predicted_for_its_measured_steps(
     )
 
 
+def test_declined_steps_are_priced_against_what_their_best_speculative_shape_would_emit():
+    # Speculation must beat none by 100%: with no warm-up, probes or exploration the policy
+    # serves every step without speculation, each one declined on its estimates.
+    config = CONFIG.replace(
+        no_spec_margin=1.0, warmup_steps=0, explore_fraction=0.0, new_batch_steps=0
+    )
+    make, log = controller_chooser_factory(config, TRACES), []
+
+    def logged(machine, clock):
+        chooser = make(machine, clock)
+        begin, policy = chooser.controller.begin, chooser.controller.policy
+
+        def begin_logged(view):
+            ticket = begin(view)
+            log.append(policy.predictions(ticket.features, view.request_ids))
+            return ticket
+
+        chooser.controller.begin = begin_logged
+        return chooser
+
+    run = simulate(TRACES, profile(), SimConfig(Arrivals("closed", concurrency=1), 3), logged, "a")
+    est = run.estimates
+    assert est.chosen_steps == 0 and est.declined_steps == run.steps == len(log)
+    # One request at a time, one token a step: positions 1, 2, ... of each in the drawn order.
+    positions = [
+        (TRACES.requests[i], p) for i in _order(3) for p in range(1, TRACES.requests[i].answer_len)
+    ]
+    assert len(positions) == len(log)
+    speculative = [i for i, s in enumerate(SHAPES) if s.speculative]
+    predicted, would = [], []
+    for (times, emitted), (trace, p) in zip(log, positions, strict=True):
+        best = max(speculative, key=lambda i: emitted[i] / times[i])
+        predicted.append(emitted[best])
+        would.append(trace.emitted[p, TRACES.column(SHAPES[best])])
+    assert est.declined_predicted == pytest.approx(np.mean(predicted))
+    assert est.declined_would_emit == pytest.approx(np.mean(would))
+    assert est.declined_bias == pytest.approx(np.mean(predicted) / np.mean(would) - 1)
+
+
 def test_warm_up_requests_are_served_first_and_not_measured():
     sim = SimConfig(Arrivals("closed", concurrency=2), num_requests=5, warmup_requests=4)
     run = simulate(TRACES, profile(), sim, controller_chooser_factory(CONFIG, TRACES), "a")

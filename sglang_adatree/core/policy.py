@@ -222,8 +222,7 @@ class Policy:
         new_batch = bool(request_ids) and self._new_batch_left > 0
         self._new_batch_left = max(self._new_batch_left - 1, 0)
         self._last_batch = frozenset(request_ids)
-        times = self.cost_model.predict_ms_many(features, self.candidates)  # [candidates] ms
-        emitted = self._batch_emitted(request_ids)  # [candidates] per request
+        times, emitted = self.predictions(features, request_ids)
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
@@ -244,6 +243,14 @@ class Policy:
         self.current = self.candidates[best]
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
         return self._decision(self.current, source, times, emitted)
+
+    def predictions(
+        self, features: StepFeatures, request_ids: Sequence[str] = ()
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What ``decide`` reads for this batch: ``[candidates]`` predicted step times (ms) and
+        ``[candidates]`` expected emitted tokens per request, in candidate order."""
+        times = self.cost_model.predict_ms_many(features, self.candidates)
+        return times, self._batch_emitted(request_ids)
 
     def observe(
         self,

@@ -89,6 +89,8 @@ def _estimates_row(e: EstimateErrors) -> dict[str, Any]:
         "chosen_bias": r(e.chosen_bias),
         "explored_steps": e.explored_steps,
         "explored_bias": r(e.explored_bias),
+        "declined_steps": e.declined_steps,
+        "declined_bias": r(e.declined_bias),
         "emitted_abs_error": r(e.emitted_abs_error),
         "step_ms_rel_error": r(e.step_ms_rel_error),
     }
@@ -187,7 +189,8 @@ def table(replayed: Sequence[Replayed]) -> str:
                 f"{'':32s}   estimates: chosen speculative steps {estimates.chosen_steps}, "
                 f"emitted {estimates.chosen_emitted:.2f} predicted {estimates.chosen_predicted:.2f}"
                 f" ({estimates.chosen_bias:+.1%}); explored {estimates.explored_steps}"
-                f" ({estimates.explored_bias:+.1%}); |error| {estimates.emitted_abs_error:.2f}"
+                f" ({estimates.explored_bias:+.1%}); declined {estimates.declined_steps}"
+                f" ({estimates.declined_bias:+.1%}); |error| {estimates.emitted_abs_error:.2f}"
                 f" tokens, step time {estimates.step_ms_rel_error:.1%}"
             )
         if res.decomposition and res.ratio("adatree", "oracle-static") < 1.0:

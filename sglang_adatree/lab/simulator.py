@@ -43,7 +43,7 @@ from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
 from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
-from sglang_adatree.core.policy import Decision, DecisionSource
+from sglang_adatree.core.policy import Decision, DecisionSource, Policy
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 from sglang_adatree.core.step_profile import StepTimeProfile
 from sglang_adatree.lab.traces import RequestTrace, TraceSet
@@ -136,8 +136,12 @@ class EstimateErrors:
     that happens to be low, so these steps emit less than predicted even when every estimate is
     right on average (the winner's curse); a bias here is what pushes a policy into shapes, or
     into speculation, that do not pay. ``explored``: exploring steps, which run a shape whose
-    estimate lost, so the curse runs the other way. Step times: the relative error of every
-    step whose time teaches the cost model (not catch-up steps).
+    estimate lost, so the curse runs the other way. ``declined``: the steps the policy served
+    without speculation on its estimates, with the speculative shape it predicted best there:
+    its predicted emitted tokens against what the traces say it would have emitted (for
+    adatree's policy only; the lab alone knows the second). Nothing runs that shape, so nothing
+    corrects an estimate that reads low there. Step times: the relative error of every step
+    whose time teaches the cost model (not catch-up steps).
     """
 
     chosen_steps: int
@@ -146,6 +150,9 @@ class EstimateErrors:
     explored_steps: int
     explored_predicted: float
     explored_emitted: float
+    declined_steps: int
+    declined_predicted: float  # the best speculative shape's predicted emitted tokens there
+    declined_would_emit: float  # what its trace says it would have emitted there
     emitted_abs_error: float  # mean |predicted - emitted| per request, every speculative step
     step_ms_rel_error: float  # mean |predicted - measured| / measured step time
 
@@ -159,6 +166,11 @@ class EstimateErrors:
         """The same for the exploring steps."""
         return _over(self.explored_predicted, self.explored_emitted)
 
+    @property
+    def declined_bias(self) -> float:
+        """The same for the best speculative shape on the declined steps (-0.1: 10% low)."""
+        return _over(self.declined_predicted, self.declined_would_emit)
+
 
 def _over(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0 if measured > 0 else math.nan
@@ -169,7 +181,7 @@ class _EstimateTally:
 
     def __init__(self) -> None:
         # Per kind of step: steps, request-steps, sum of predictions, sum of emitted tokens.
-        self.kinds = {"chosen": [0, 0, 0.0, 0.0], "explored": [0, 0, 0.0, 0.0]}
+        self.kinds = {k: [0, 0, 0.0, 0.0] for k in ("chosen", "explored", "declined")}
         self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
         self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
 
@@ -186,17 +198,25 @@ class _EstimateTally:
         self.abs_error[1] += sum(abs(predicted - e) for e in emitted)
         kind = _KINDS.get(decision.source)
         if kind is not None:
-            sums = self.kinds[kind]
-            sums[0] += 1
-            sums[1] += len(emitted)
-            sums[2] += predicted * len(emitted)
-            sums[3] += sum(emitted)
+            self._count(kind, predicted, emitted)
+
+    def add_declined(self, predicted: float, would_emit: Sequence[int]) -> None:
+        """A step served without speculation on the estimates: the best speculative shape's
+        prediction there and what each request would have emitted under it."""
+        self._count("declined", predicted, would_emit)
+
+    def _count(self, kind: str, predicted: float, emitted: Sequence[int]) -> None:
+        sums = self.kinds[kind]
+        sums[0] += 1
+        sums[1] += len(emitted)
+        sums[2] += predicted * len(emitted)
+        sums[3] += sum(emitted)
 
     def result(self) -> EstimateErrors:
         def mean(total: float, n: int) -> float:
             return total / n if n else math.nan
 
-        chosen, explored = self.kinds["chosen"], self.kinds["explored"]
+        chosen, explored, declined = (self.kinds[k] for k in ("chosen", "explored", "declined"))
         return EstimateErrors(
             chosen_steps=int(chosen[0]),
             chosen_predicted=mean(chosen[2], chosen[1]),
@@ -204,6 +224,9 @@ class _EstimateTally:
             explored_steps=int(explored[0]),
             explored_predicted=mean(explored[2], explored[1]),
             explored_emitted=mean(explored[3], explored[1]),
+            declined_steps=int(declined[0]),
+            declined_predicted=mean(declined[2], declined[1]),
+            declined_would_emit=mean(declined[3], declined[1]),
             emitted_abs_error=mean(self.abs_error[1], self.abs_error[0]),
             step_ms_rel_error=mean(self.step_error[1], self.step_error[0]),
         )
@@ -380,6 +403,8 @@ class ControllerChooser:
         )
         ticket = self.controller.begin(view)
         shape = ticket.decision.shape
+        if not shape.speculative and ticket.decision.source in _KINDS:
+            self._declined(batch, ticket.features, view.request_ids)
         catch_up = self.charge_catch_up and ticket.decision.source is DecisionSource.CATCH_UP
         column = self.traces.column(shape) if shape.speculative else -1
         positions = [r.position for r in batch]
@@ -402,6 +427,23 @@ class ControllerChooser:
                 self.controller.apply(update)
 
         return shape, catch_up, done
+
+    def _declined(
+        self, batch: list[_Request], features: StepFeatures, request_ids: Sequence[str]
+    ) -> None:
+        """Tally the speculative shape the policy predicted best on a step it serves without
+        speculation, against what the traces say that shape would emit there."""
+        policy = self.controller.policy
+        if not isinstance(policy, Policy):
+            return
+        times, emitted = policy.predictions(features, request_ids)  # [candidates] each
+        goodput = np.where([s.speculative for s in policy.candidates], emitted / times, -np.inf)
+        if not np.isfinite(goodput).any():
+            return
+        best = int(np.argmax(goodput))
+        column = self.traces.column(policy.candidates[best])
+        would = [int(r.trace.emitted[r.position, column]) for r in batch]
+        self.estimates.add_declined(float(emitted[best]), would)
 
 
 @dataclass
