@@ -403,7 +403,7 @@ class ControllerChooser:
         )
         ticket = self.controller.begin(view)
         shape = ticket.decision.shape
-        if not shape.speculative and ticket.decision.source in _KINDS:
+        if not shape.speculative and _KINDS.get(ticket.decision.source) == "chosen":
             self._declined(batch, ticket.features, view.request_ids)
         catch_up = self.charge_catch_up and ticket.decision.source is DecisionSource.CATCH_UP
         column = self.traces.column(shape) if shape.speculative else -1
