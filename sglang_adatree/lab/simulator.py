@@ -185,13 +185,12 @@ class _EstimateTally:
         self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
         self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
 
-    def add(
-        self, shape: TreeShape, decision: Decision, emitted: Sequence[int], measured_ms: float
-    ) -> None:
+    def add(self, decision: Decision, emitted: Sequence[int], measured_ms: float) -> None:
+        """A step run as ``decision`` said: each request's emitted tokens and its time."""
         if decision.source.teaches_cost_model and measured_ms > 0:
             self.step_error[0] += 1
             self.step_error[1] += abs(decision.predicted_ms - measured_ms) / measured_ms
-        if not shape.speculative:
+        if not decision.shape.speculative:
             return
         predicted = decision.predicted_emitted
         self.abs_error[0] += len(emitted)
@@ -419,7 +418,7 @@ class ControllerChooser:
                     np.stack([t.num_children[p, column, :steps] for t, p in pairs]),  # [B, S]
                     np.stack([t.accepted_rank[p, column, :steps] for t, p in pairs]),
                 )
-            self.estimates.add(shape, ticket.decision, emitted, ms)
+            self.estimates.add(ticket.decision, emitted, ms)
             accepted = tuple(e - 1 for e in emitted)
             self.controller.finish(ticket, StepOutcome(ms, accepted, self.clock(), paths))
             update = self.controller.refit() if self.refits else None
