@@ -87,6 +87,8 @@ function liveOverview() {
     });
   }
   setInterval(() => { if (!document.hidden) refresh(); }, Number(section.dataset.refreshMs));
+  // The range links now refresh in place; before this point a click loads the page anew.
+  section.dataset.live = "on";
 }
 
 // Retrain: while a job is queued or running, follow it; reload once it has finished so the

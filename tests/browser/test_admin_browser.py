@@ -115,7 +115,12 @@ def shot(page, name: str) -> None:
 
 def refreshes(page) -> int:
     """How many live refreshes the overview's script has drawn."""
-    return int(page.evaluate("() => document.getElementById('overview').dataset.refreshes || 0"))
+    return int(
+        page.evaluate(
+            "() => { const el = document.getElementById('overview');"
+            " return el ? el.dataset.refreshes || 0 : 0; }"
+        )
+    )
 
 
 def wait_until(condition, timeout: float = 15.0) -> None:
@@ -139,6 +144,9 @@ def traces(page, element_id: str) -> list[dict]:
 
 
 def test_login_and_overview_charts_render_with_data_and_refresh_live(page):
+    # Until the script has hooked the range links, a click on one navigates, and the page
+    # read during that navigation has no overview yet.
+    page.wait_for_selector("#overview[data-live='on']")
     page.click(".ranges a[data-range='5m']")
     wait_until(lambda: refreshes(page) >= 1)
     drawn = traces(page, "overview-figure")
