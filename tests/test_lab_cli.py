@@ -54,12 +54,14 @@ def test_a_small_scenario_end_to_end(tmp_path, capsys):
     )
     estimates = by["adatree"]["estimates"]
     assert 0 < estimates["chosen_steps"] <= by["adatree"]["steps"]
-    assert estimates["declined_steps"] >= 0 and "declined_bias" in estimates
+    assert estimates["declined_steps"] >= 0
+    assert "declined_bias" in estimates and "declined_time_bias" in estimates
     bias = estimates["chosen_predicted"] / estimates["chosen_emitted"] - 1
     assert estimates["chosen_bias"] == pytest.approx(bias, abs=2e-4)
     assert "shapes chosen over time" in page.read_text()
     printed = capsys.readouterr().out
     assert "adatree" in printed and "estimates: chosen speculative steps" in printed
+    assert "nan" not in printed  # a kind of step that never ran is left out, not printed as NaN
     assert "chosen speculative steps, predicted over emitted tokens" in printed
     # Deterministic: the same command gives the same rows.
     again = tmp_path / "again.json"

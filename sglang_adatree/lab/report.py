@@ -91,9 +91,30 @@ def _estimates_row(e: EstimateErrors) -> dict[str, Any]:
         "explored_bias": r(e.explored_bias),
         "declined_steps": e.declined_steps,
         "declined_bias": r(e.declined_bias),
+        "declined_time_bias": r(e.declined_time_bias),
         "emitted_abs_error": r(e.emitted_abs_error),
         "step_ms_rel_error": r(e.step_ms_rel_error),
     }
+
+
+def _estimates_line(e: EstimateErrors) -> str:
+    """The table's line under adatree's row; a kind of step that never ran is left out."""
+
+    def bias(x: float) -> str:
+        return f"{x:+.1%}" if math.isfinite(x) else "-"
+
+    parts = [
+        f"chosen speculative steps {e.chosen_steps}, emitted {e.chosen_emitted:.2f} predicted "
+        f"{e.chosen_predicted:.2f} ({bias(e.chosen_bias)})",
+        f"explored {e.explored_steps} ({bias(e.explored_bias)})",
+    ]
+    if e.declined_steps:
+        parts.append(
+            f"declined {e.declined_steps} (emitted {bias(e.declined_bias)}, "
+            f"priced {bias(e.declined_time_bias)} against no speculation)"
+        )
+    parts.append(f"|error| {e.emitted_abs_error:.2f} tokens, step time {e.step_ms_rel_error:.1%}")
+    return "; ".join(parts)
 
 
 def geomean(values: Sequence[float]) -> float:
@@ -185,14 +206,7 @@ def table(replayed: Sequence[Replayed]) -> str:
         )
         estimates = res.runs["adatree"].estimates if "adatree" in res.runs else None
         if estimates is not None and estimates.chosen_steps:
-            lines.append(
-                f"{'':32s}   estimates: chosen speculative steps {estimates.chosen_steps}, "
-                f"emitted {estimates.chosen_emitted:.2f} predicted {estimates.chosen_predicted:.2f}"
-                f" ({estimates.chosen_bias:+.1%}); explored {estimates.explored_steps}"
-                f" ({estimates.explored_bias:+.1%}); declined {estimates.declined_steps}"
-                f" ({estimates.declined_bias:+.1%}); |error| {estimates.emitted_abs_error:.2f}"
-                f" tokens, step time {estimates.step_ms_rel_error:.1%}"
-            )
+            lines.append(f"{'':32s}   estimates: {_estimates_line(estimates)}")
         if res.decomposition and res.ratio("adatree", "oracle-static") < 1.0:
             parts = ", ".join(f"{c} {res.decomposition[c]:+.1%}" for c in (*DECOMPOSITION, "rest"))
             lines.append(f"{'':32s}   gap to the per-step oracle by cause: {parts}")

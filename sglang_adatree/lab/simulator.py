@@ -140,8 +140,9 @@ class EstimateErrors:
     without speculation on its estimates, with the speculative shape it predicted best there:
     its predicted emitted tokens against what the traces say it would have emitted (for
     adatree's policy only; the lab alone knows the second). Nothing runs that shape, so nothing
-    corrects an estimate that reads low there. Step times: the relative error of every step
-    whose time teaches the cost model (not catch-up steps).
+    corrects an estimate that reads low there, nor its price against no speculation, which the
+    declined steps' times say nothing about: ``declined_time_bias``. Step times: the relative
+    error of every step whose time teaches the cost model (not catch-up steps).
     """
 
     chosen_steps: int
@@ -153,6 +154,9 @@ class EstimateErrors:
     declined_steps: int
     declined_predicted: float  # the best speculative shape's predicted emitted tokens there
     declined_would_emit: float  # what its trace says it would have emitted there
+    # Mean over the declined steps of that shape's predicted step time over no speculation's,
+    # divided by the same ratio of their true step times.
+    declined_time_ratio: float
     emitted_abs_error: float  # mean |predicted - emitted| per request, every speculative step
     step_ms_rel_error: float  # mean |predicted - measured| / measured step time
 
@@ -171,6 +175,12 @@ class EstimateErrors:
         """The same for the best speculative shape on the declined steps (-0.1: 10% low)."""
         return _over(self.declined_predicted, self.declined_would_emit)
 
+    @property
+    def declined_time_bias(self) -> float:
+        """How much dearer than no speculation the best speculative shape was priced on the
+        declined steps than it truly was (0.05: 5% too dear)."""
+        return self.declined_time_ratio - 1.0
+
 
 def _over(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0 if measured > 0 else math.nan
@@ -184,6 +194,7 @@ class _EstimateTally:
         self.kinds = {k: [0, 0, 0.0, 0.0] for k in ("chosen", "explored", "declined")}
         self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
         self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
+        self.declined_time = [0, 0.0]  # declined steps, sum of predicted / true time ratios
 
     def add(self, decision: Decision, emitted: Sequence[int], measured_ms: float) -> None:
         """A step run as ``decision`` said: each request's emitted tokens and its time."""
@@ -199,10 +210,16 @@ class _EstimateTally:
         if kind is not None:
             self._count(kind, predicted, emitted)
 
-    def add_declined(self, predicted: float, would_emit: Sequence[int]) -> None:
+    def add_declined(
+        self, predicted: float, would_emit: Sequence[int], time_ratio: float | None
+    ) -> None:
         """A step served without speculation on the estimates: the best speculative shape's
-        prediction there and what each request would have emitted under it."""
+        prediction there, what each request would have emitted under it, and its predicted
+        price against no speculation over the true one (None: no truth to compare with)."""
         self._count("declined", predicted, would_emit)
+        if time_ratio is not None:
+            self.declined_time[0] += 1
+            self.declined_time[1] += time_ratio
 
     def _count(self, kind: str, predicted: float, emitted: Sequence[int]) -> None:
         sums = self.kinds[kind]
@@ -226,6 +243,7 @@ class _EstimateTally:
             declined_steps=int(declined[0]),
             declined_predicted=mean(declined[2], declined[1]),
             declined_would_emit=mean(declined[3], declined[1]),
+            declined_time_ratio=mean(self.declined_time[1], self.declined_time[0]),
             emitted_abs_error=mean(self.abs_error[1], self.abs_error[0]),
             step_ms_rel_error=mean(self.step_error[1], self.step_error[0]),
         )
@@ -391,6 +409,8 @@ class ControllerChooser:
         # decomposition's switching variant).
         self.charge_catch_up = True
         self.refits = True  # hand the controller its refits, as the control poller would
+        # The machine's true step time, for pricing the declined steps' best speculative shape.
+        self.true_ms: Callable[[StepFeatures, TreeShape], float] | None = None
         self.estimates = _EstimateTally()
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
@@ -440,9 +460,15 @@ class ControllerChooser:
         if not np.isfinite(goodput).any():
             return
         best = int(np.argmax(goodput))
-        column = self.traces.column(policy.candidates[best])
+        shape = policy.candidates[best]
+        column = self.traces.column(shape)
         would = [int(r.trace.emitted[r.position, column]) for r in batch]
-        self.estimates.add_declined(float(emitted[best]), would)
+        time_ratio = None
+        plain = policy.candidates.index(NO_SPEC) if NO_SPEC in policy.candidates else None
+        if self.true_ms is not None and plain is not None:
+            true = self.true_ms(features, shape) / self.true_ms(features, NO_SPEC)
+            time_ratio = float(times[best] / times[plain]) / true
+        self.estimates.add_declined(float(emitted[best]), would, time_ratio)
 
 
 @dataclass
@@ -671,6 +697,7 @@ def controller_chooser_factory(
         padding = _padding(machine.profile)
         controller = StepController(config, padding=padding, profile=profile)
         chooser = ControllerChooser(controller, traces, clock)
+        chooser.true_ms = machine.true_ms
         if configure is not None:
             configure(chooser, machine)
         return chooser
