@@ -194,7 +194,7 @@ class _EstimateTally:
         self.kinds = {k: [0, 0, 0.0, 0.0] for k in ("chosen", "explored", "declined")}
         self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
         self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
-        self.declined_time = [0, 0.0]  # declined steps, sum of predicted / true time ratios
+        self.declined_time = 0.0  # sum over declined steps of predicted / true time ratios
 
     def add(self, decision: Decision, emitted: Sequence[int], measured_ms: float) -> None:
         """A step run as ``decision`` said: each request's emitted tokens and its time."""
@@ -210,16 +210,12 @@ class _EstimateTally:
         if kind is not None:
             self._count(kind, predicted, emitted)
 
-    def add_declined(
-        self, predicted: float, would_emit: Sequence[int], time_ratio: float | None
-    ) -> None:
+    def add_declined(self, predicted: float, would_emit: Sequence[int], time_ratio: float) -> None:
         """A step served without speculation on the estimates: the best speculative shape's
         prediction there, what each request would have emitted under it, and its predicted
-        price against no speculation over the true one (None: no truth to compare with)."""
+        price against no speculation over the true one."""
         self._count("declined", predicted, would_emit)
-        if time_ratio is not None:
-            self.declined_time[0] += 1
-            self.declined_time[1] += time_ratio
+        self.declined_time += time_ratio
 
     def _count(self, kind: str, predicted: float, emitted: Sequence[int]) -> None:
         sums = self.kinds[kind]
@@ -243,7 +239,7 @@ class _EstimateTally:
             declined_steps=int(declined[0]),
             declined_predicted=mean(declined[2], declined[1]),
             declined_would_emit=mean(declined[3], declined[1]),
-            declined_time_ratio=mean(self.declined_time[1], self.declined_time[0]),
+            declined_time_ratio=mean(self.declined_time, declined[0]),
             emitted_abs_error=mean(self.abs_error[1], self.abs_error[0]),
             step_ms_rel_error=mean(self.step_error[1], self.step_error[0]),
         )
@@ -399,18 +395,22 @@ class ControllerChooser:
     """The serving loop under test, driven as the SGLang worker drives it."""
 
     def __init__(
-        self, controller: StepController, traces: TraceSet, clock: Callable[[], float]
+        self,
+        controller: StepController,
+        traces: TraceSet,
+        clock: Callable[[], float],
+        true_ms: Callable[[StepFeatures, TreeShape], float],
     ) -> None:
         self.controller = controller
         self.traces = traces
         self.clock = clock
+        # The machine's true step time, for pricing the declined steps' best speculative shape.
+        self.true_ms = true_ms
         self.before_begin: Callable[[list[_Request]], None] | None = None
         # False: a catch-up step costs what a step without speculation costs (the loss
         # decomposition's switching variant).
         self.charge_catch_up = True
         self.refits = True  # hand the controller its refits, as the control poller would
-        # The machine's true step time, for pricing the declined steps' best speculative shape.
-        self.true_ms: Callable[[StepFeatures, TreeShape], float] | None = None
         self.estimates = _EstimateTally()
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
@@ -463,11 +463,10 @@ class ControllerChooser:
         shape = policy.candidates[best]
         column = self.traces.column(shape)
         would = [int(r.trace.emitted[r.position, column]) for r in batch]
-        time_ratio = None
-        plain = policy.candidates.index(NO_SPEC) if NO_SPEC in policy.candidates else None
-        if self.true_ms is not None and plain is not None:
-            true = self.true_ms(features, shape) / self.true_ms(features, NO_SPEC)
-            time_ratio = float(times[best] / times[plain]) / true
+        # The step ran no speculation, so no speculation is a candidate.
+        plain = policy.candidates.index(NO_SPEC)
+        true = self.true_ms(features, shape) / self.true_ms(features, NO_SPEC)
+        time_ratio = float(times[best] / times[plain]) / true
         self.estimates.add_declined(float(emitted[best]), would, time_ratio)
 
 
@@ -696,8 +695,7 @@ def controller_chooser_factory(
     def make(machine: _Machine, clock: Callable[[], float]) -> Chooser:
         padding = _padding(machine.profile)
         controller = StepController(config, padding=padding, profile=profile)
-        chooser = ControllerChooser(controller, traces, clock)
-        chooser.true_ms = machine.true_ms
+        chooser = ControllerChooser(controller, traces, clock, machine.true_ms)
         if configure is not None:
             configure(chooser, machine)
         return chooser
