@@ -115,12 +115,7 @@ def shot(page, name: str) -> None:
 
 def refreshes(page) -> int:
     """How many live refreshes the overview's script has drawn."""
-    return int(
-        page.evaluate(
-            "() => { const el = document.getElementById('overview');"
-            " return el ? el.dataset.refreshes || 0 : 0; }"
-        )
-    )
+    return int(page.evaluate("() => document.getElementById('overview').dataset.refreshes || 0"))
 
 
 def wait_until(condition, timeout: float = 15.0) -> None:
