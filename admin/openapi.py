@@ -169,6 +169,11 @@ SCHEMAS: dict[str, Any] = {
             "by_accept_len": {"type": "object"},
             "acceptance_by_depth": {"type": "object"},
             "acceptance_by_rank": {"type": "array", "items": NUMBER},
+            "runner_ups": {
+                "type": "array",
+                "description": "per shape run, the candidates priced next best on its steps",
+                "items": {"type": "object"},
+            },
         },
         ("run_id", "shapes"),
     ),

@@ -41,6 +41,9 @@ def make_step(run_id: int, i: int) -> StepRecord:
         drafted_tokens=(num_draft_tokens - 1) * batch_size,
         accepted_tokens=accepted,
         goodput=emitted / step_ms * 1000.0,
+        runner_up=",".join(map(str, SHAPES[(i + 1) % len(SHAPES)])),
+        runner_up_step_ms=step_ms * 1.1,
+        runner_up_accept_len=emitted / batch_size * 1.05,
         accepted_by_depth=depth,
         accepted_by_rank=(accepted,) if steps else (),
     )

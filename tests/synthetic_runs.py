@@ -114,6 +114,16 @@ def step_rows(
     noise = np.where(version == 1, 0.15, 0.05)
     predicted_ms = step_ms * np.exp(rng.normal(0, noise))
     predicted_accept = accept_len * np.exp(rng.normal(0, 0.08, n))
+    # The runner-up: the next bigger shape in the policy's order (the biggest's: the next
+    # smaller), priced by the same surface and the expected acceptance of its tree.
+    other = np.where(pick > 0, pick - 1, 1 % len(ordered))
+    other_cols = shape_columns(ordered)[other]  # [n, 3]
+    other_x = build_feature_matrix(bs, padded, sum_ctx, max_ctx, other_cols)
+    other_ms = SURFACE.step_ms(other_x, rng) * np.exp(rng.normal(0, noise))
+    other_q = 1.0 - (1.0 - TOP_RANK_ACCEPT) * SIBLING_MISS ** (other_cols[:, 1] - 1)
+    other_reach = depth <= np.minimum(other_cols[:, 0], other_cols[:, 2] - 1)[:, None]
+    other_accept = 1.0 + np.where(other_reach, other_q[:, None] ** depth, 0.0).sum(axis=1)
+    other_label = [f"{a},{b},{c}" for a, b, c in _ints(other_cols)]
     source = np.where(explore, "explore", np.where(version < 0, "fallback", "model"))
     source[: max(0, 32 - first_index)] = "warmup"
     steps_l, topk_l = _ints(steps), _ints(topk)
@@ -146,6 +156,9 @@ def step_rows(
         _ints((ndt - 1) * bs),
         _ints(accepted),
         (emitted / step_ms * 1000.0).tolist(),
+        other_label,
+        other_ms.tolist(),
+        other_accept.tolist(),
         by_depth,
         by_rank,
     )

@@ -246,3 +246,48 @@ def test_queries_on_postgresql(pg_url):
         tr = runs.resolve_range(conn, runs.get_run(conn, run_id), "run")
         assert shapes.shape_usage(conn, run_id, tr).num_steps == 3000
         assert sum(v.num_steps for v in costs.cost_report(conn, run_id, tr).versions) == 3000
+
+
+def test_runner_ups_match_a_direct_computation(db_url):
+    run_id = seed_run(db_url, 3000, seed=28)
+    with store.get_engine(db_url).connect() as conn:
+        tr = runs.resolve_range(conn, runs.get_run(conn, run_id), "run")
+        usage = shapes.shape_usage(conn, run_id, tr)
+        rows = conn.execute(
+            select(
+                Step.steps,
+                Step.topk,
+                Step.num_draft_tokens,
+                Step.runner_up,
+                Step.predicted_step_ms,
+                Step.predicted_accept_len,
+                Step.runner_up_step_ms,
+                Step.runner_up_accept_len,
+                Step.measured_step_ms,
+                Step.measured_accept_len,
+            ).where(Step.run_id == run_id)
+        ).all()
+    ran, pairs = {}, {}
+    for s, k, n, ru, p_ms, p_acc, ru_ms, ru_acc, m_ms, m_acc in rows:
+        label = f"{s},{k},{n}"
+        ran.setdefault(label, []).append((m_acc, m_ms))
+        pairs.setdefault((label, ru), []).append((p_acc / p_ms / (ru_acc / ru_ms), ru_acc, ru_ms))
+    assert {(r.shape, r.runner_up) for r in usage.runner_ups} == set(pairs)
+    assert sum(r.num_steps for r in usage.runner_ups) == 3000
+    for r in usage.runner_ups:
+        got = pairs[(r.shape, r.runner_up)]
+        assert r.num_steps == len(got)
+        assert r.share == pytest.approx(len(got) / len(ran[r.shape]))
+        assert r.predicted_lead == pytest.approx(np.mean([g[0] for g in got]) - 1.0)
+        assert r.predicted_accept_len == pytest.approx(np.mean([g[1] for g in got]))
+        assert r.predicted_step_ms == pytest.approx(np.mean([g[2] for g in got]))
+        own = ran.get(r.runner_up)
+        if own is None:
+            assert r.measured_accept_len is None and r.measured_step_ms is None
+        else:
+            assert r.measured_accept_len == pytest.approx(np.mean([o[0] for o in own]))
+            assert r.measured_step_ms == pytest.approx(np.mean([o[1] for o in own]))
+    # The runner-ups of one shape come most seen first.
+    for shape in usage.shapes:
+        counts = [r.num_steps for r in usage.runner_ups if r.shape == shape]
+        assert counts == sorted(counts, reverse=True)

@@ -114,6 +114,21 @@ def test_shapes_api(operator, seeded):
             data["by_accept_len"][shape].values()
         )
     assert sum(data["acceptance_by_rank"]) == pytest.approx(1.0)
+    pairs = data["runner_ups"]
+    assert pairs and sum(p["steps"] for p in pairs) == 3000
+    assert {p["shape"] for p in pairs} == set(data["shapes"])
+    assert all(p["runner_up"] != p["shape"] for p in pairs)
+
+
+def test_shapes_page_lists_the_runner_ups(operator, seeded):
+    html = operator.get("/shapes?range=run").text
+    table = re.search(r'<table id="runner-ups">(.*?)</table>', html, re.S)
+    assert table, "no runner-up table"
+    pairs = operator.get("/api/shapes?range=run").get_json()["runner_ups"]
+    body_rows = re.findall(r"<tr><td>([\d,]+)</td><td>([\d,]+)</td><td>(\d+)</td>", table.group(1))
+    assert [(a, b, int(n)) for a, b, n in body_rows] == [
+        (p["shape"], p["runner_up"], p["steps"]) for p in pairs
+    ]
 
 
 def test_cost_model_api(operator, seeded):

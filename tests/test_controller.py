@@ -195,6 +195,22 @@ def test_a_draft_that_skipped_its_extend_catches_up_before_speculating():
     assert [r.learned for r in sink.reports] == [True, False, True, True, True, False, True]
 
 
+def test_a_catch_ups_runner_up_is_the_shape_it_holds():
+    controller = StepController(config(warmup_steps=1000))
+    ids = ("a",)
+    controller.begin(BatchView(ids, (50,)))  # 0,1,1: "a" is behind
+    ticket = controller.begin(BatchView(ids, (51,)))  # 2,2,4 held behind a catch-up
+    decision = ticket.decision
+    assert decision.source == DecisionSource.CATCH_UP and decision.shape == NO_SPEC
+    held = controller.begin(BatchView(ids, (52,))).decision
+    assert (held.shape, held.source) == (TREE, DecisionSource.WARMUP)
+    assert decision.runner_up == TREE
+    assert (decision.runner_up_ms, decision.runner_up_emitted) == (
+        held.predicted_ms,
+        held.predicted_emitted,
+    )
+
+
 def test_without_skipping_the_extend_no_catch_up_runs():
     controller = StepController(config(warmup_steps=1000, skip_idle_draft_extend=False))
     seen = drive(controller, Batch(50), 6)

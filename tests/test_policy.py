@@ -31,7 +31,16 @@ def test_no_speculation_when_verification_cost_dominates():
     # 1 ms per verified token against a 0.5 ms floor: a draft token costs more than it saves.
     costly = AnalyticStepTime(c_fixed=0.5, c_compute=1.0)
     decision = make_policy(costly, prior=0.8).decide(batch(8))
-    assert decision == Decision(NO_SPEC, "fallback", decision.predicted_ms, 1.0)
+    assert decision == Decision(
+        NO_SPEC,
+        "fallback",
+        decision.predicted_ms,
+        1.0,
+        decision.runner_up,
+        decision.runner_up_ms,
+        decision.runner_up_emitted,
+    )
+    assert decision.runner_up is not None and decision.runner_up.speculative
     assert decision.predicted_ms == pytest.approx(0.5 + 0.01 * 8 + 8.0 + 2e-5 * 4000)
 
 
@@ -41,6 +50,35 @@ def test_deep_wide_tree_when_acceptance_is_high_and_cost_flat():
     assert decision.shape == TreeShape(6, 4, 16)  # the deepest and widest candidate
     best = max(DEFAULT_CANDIDATES, key=policy.acceptance.expected_emitted)
     assert decision.shape == best and decision.predicted_emitted > 5.0
+
+
+@pytest.mark.parametrize("pinned", [None, NO_SPEC, TreeShape(3, 1, 4)])
+def test_the_runner_up_is_the_other_candidate_priced_best(pinned):
+    policy = make_policy(prior=0.7)
+    if pinned is not None:
+        policy.set_pins([Pin(pinned)])
+    features = batch(4)
+    times, emitted = policy.predictions(features)
+    decision = policy.decide(features)
+    assert decision.shape == (pinned or decision.shape)
+    goodput = {s: emitted[i] / times[i] for i, s in enumerate(policy.candidates)}
+    rivals = {s: g for s, g in goodput.items() if s != decision.shape}
+    runner_up = max(rivals, key=rivals.__getitem__)
+    assert decision.runner_up == runner_up != decision.shape
+    i = policy.candidates.index(runner_up)
+    assert decision.runner_up_ms == pytest.approx(times[i])
+    assert decision.runner_up_emitted == pytest.approx(emitted[i])
+
+
+def test_a_single_candidate_has_no_runner_up():
+    policy = make_policy(candidate_shapes=(TreeShape(1, 1, 2),))
+    decision = policy.decide(batch(1))
+    assert decision.shape == TreeShape(1, 1, 2)
+    assert (decision.runner_up, decision.runner_up_ms, decision.runner_up_emitted) == (
+        None,
+        None,
+        None,
+    )
 
 
 def test_no_spec_margin():

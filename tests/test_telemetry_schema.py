@@ -238,3 +238,42 @@ def test_0003_keeps_recorded_steps_and_retires_old_feature_versions(backend, tmp
     assert store.downgrade(url, "0002") == "0002"
     store.upgrade(url)
     _check_migrated(url)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, request):
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'a.sqlite'}"
+    else:
+        url = request.getfixturevalue("pg_server").create_database()
+    store.upgrade(url, "0003")
+    engine = store.get_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (started_at, target_model, device, package_version, config, "
+                "node, rank, dropped_steps, rejected_steps, unfinished_steps) "
+                "VALUES (1.0, 't', 'cpu', '0', '{}', 'n', 0, 0, 0, 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO steps (run_id, step_index, wall_time, batch_size, padded_batch_size, "
+                "sum_context_len, max_context_len, steps, topk, num_draft_tokens, "
+                "decision_source, measured_step_ms, measured_accept_len, emitted_tokens, "
+                "drafted_tokens, accepted_tokens, goodput, accepted_by_depth, accepted_by_rank) "
+                "VALUES (1, 0, 2.0, 3, 3, 300, 100, 3, 1, 4, 'model', 9.0, 2.0, 6, 9, 3, 666.0, "
+                "'2,1,0', '3')"
+            )
+        )
+    store.upgrade(url)
+    _check_migrated(url)
+    columns = "batch_size, runner_up, runner_up_step_ms, runner_up_accept_len"
+    with engine.connect() as conn:
+        step = conn.execute(text(f"SELECT {columns} FROM steps")).one()
+    assert tuple(step) == (3, None, None, None)
+    assert store.downgrade(url, "0003") == "0003"
+    names = {c["name"] for c in inspect(store.get_engine(url)).get_columns("steps")}
+    assert "runner_up" not in names and "batch_size" in names
+    store.upgrade(url)
+    _check_migrated(url)

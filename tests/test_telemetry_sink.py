@@ -49,3 +49,30 @@ def test_a_dropped_completion_leaves_every_later_row_its_own(tmp_path):
     assert sources[:2] == ["warmup", "catch-up"]
     shapes = [(r.steps, r.topk, r.num_draft_tokens) for r in rows]
     assert shapes[2:4] == [(2, 2, 4), (3, 1, 4)]  # the warm-up's order, step 4 missing only
+
+
+def test_each_row_records_its_runner_up(tmp_path):
+    url = f"sqlite:///{tmp_path / 'adatree.sqlite'}"
+    upgrade(url)
+    writer = TelemetryWriter(url, flush_s=0.05)
+    run_id = writer.start_run(RUN)
+    controller = StepController(config(warmup_steps=1000), sinks=[TelemetrySink(writer, run_id)])
+    decisions = []
+    for i in range(5):
+        ticket = controller.begin(BatchView(("a",), (100 + i,)))
+        decisions.append(ticket.decision)
+        controller.finish(ticket, outcome(ticket, 10.0, wall_time=1000.0 + i))
+    assert writer.flush()
+    with get_engine(url).connect() as conn:
+        rows = conn.execute(select(Step).order_by(Step.step_index)).all()
+    writer.close()
+    assert len(rows) == len(decisions) == 5
+    for r, d in zip(rows, decisions, strict=True):
+        assert d.runner_up is not None and d.runner_up != d.shape
+        assert r.runner_up == str(d.runner_up)
+        assert r.runner_up_step_ms == d.runner_up_ms
+        assert r.runner_up_accept_len == d.runner_up_emitted
+    # The catch-up's runner-up is the tree it held back (the warm-up's next shape).
+    assert [r.decision_source for r in rows[:3]] == ["warmup", "catch-up", "warmup"]
+    held = rows[2]
+    assert rows[1].runner_up == "2,2,4" == f"{held.steps},{held.topk},{held.num_draft_tokens}"

@@ -7,11 +7,14 @@ depth and by sibling rank.
   request that drafted that deep (the chance a request's accepted path reaches depth ``d``).
 * Acceptance by rank: accepted draft tokens that were the ``r``-th ranked sibling, as a share
   of all accepted draft tokens.
+* Runner-ups: for each shape that ran, the candidates priced next best on its steps
+  (``telemetry.estimates``).
 
 The database groups the steps (by shape, batch size and acceptance bin; by shape and the
 per-depth and per-rank count texts), and a long range is cut to its newest ``MAX_SCAN_ROWS``
 steps to bound that work; roll-up minutes in the range are added from ``step_rollups``, with
-their mean batch size and acceptance length standing in for per-step values.
+their mean batch size and acceptance length standing in for per-step values. Roll-up minutes
+keep no runner-up: the runner-ups are the range's steps' only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sglang_adatree.admin.queries.runs import TimeRange, newest_rows
 from sglang_adatree.admin.queries.sums import bucket_index, shape_label
 from sqlalchemy import Connection, func, select
 
+from sglang_adatree.telemetry.estimates import RunnerUp, estimates, shape_key
 from sglang_adatree.telemetry.models import Step, StepRollup
 from sglang_adatree.telemetry.records import decode_counts
 
@@ -62,6 +66,8 @@ class ShapeUsage:
     by_accept: dict[str, dict[str, int]]  # shape -> acceptance bin -> steps
     depth_rate: dict[str, list[float]]  # shape -> [P(accepted path reaches depth d), d = 1..]
     rank_share: list[float]  # [share of accepted draft tokens at sibling rank r, r = 1..]
+    # (shape, runner-up) pairs: shapes in ``shapes`` order, each one's runner-ups most seen first
+    runner_ups: tuple[RunnerUp, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +81,7 @@ class ShapeUsage:
             "by_accept_len": self.by_accept,
             "acceptance_by_depth": self.depth_rate,
             "acceptance_by_rank": self.rank_share,
+            "runner_ups": [r.to_json() for r in self.runner_ups],
         }
 
 
@@ -163,21 +170,20 @@ def shape_usage(
             label = shape_label(s, k, n)
             tally.add_usage(label, num, sum_bs / num, sum_acc / num)
             tally.add_acceptance(label, sum_bs, depth, rank, 1)
-    return _usage(window, window.start > tr.start, tally)
+    pairs = estimates(conn, *in_window).runner_ups
+    return _usage(window, window.start > tr.start, tally, pairs)
 
 
-def _shape_key(label: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in label.split(","))
-
-
-def _usage(window: TimeRange, truncated: bool, t: _Tally) -> ShapeUsage:
-    shapes = tuple(sorted(t.by_batch, key=_shape_key))
+def _usage(
+    window: TimeRange, truncated: bool, t: _Tally, pairs: tuple[RunnerUp, ...]
+) -> ShapeUsage:
+    shapes = tuple(sorted(t.by_batch, key=shape_key))
     batch_order = [batch_bin(b) for b in BATCH_BINS] + [f">{BATCH_BINS[-1]}"]
     used_batch = {b for cells in t.by_batch.values() for b in cells}
     used_accept = {b for cells in t.by_accept.values() for b in cells}
     depth_rate = {
         shape: [a / t.depth_requests[shape] for a in accepted]
-        for shape, accepted in sorted(t.depth_accepted.items(), key=lambda kv: _shape_key(kv[0]))
+        for shape, accepted in sorted(t.depth_accepted.items(), key=lambda kv: shape_key(kv[0]))
         if t.depth_requests.get(shape)
     }
     total_accepted = sum(t.rank_accepted)
@@ -192,4 +198,5 @@ def _usage(window: TimeRange, truncated: bool, t: _Tally) -> ShapeUsage:
         by_accept=t.by_accept,
         depth_rate=depth_rate,
         rank_share=[a / total_accepted for a in t.rank_accepted] if total_accepted else [],
+        runner_ups=pairs,
     )

@@ -277,7 +277,16 @@ class StepController:
             self._held = _Held(decision, lens)
             # Any policy's cost model, baselines' included, prices the step as no speculation.
             predicted_ms = self.policy.cost_model.predict_ms(features, NO_SPEC)
-            decision = Decision(NO_SPEC, DecisionSource.CATCH_UP, predicted_ms, 1.0)
+            # The policy's own choice is the runner-up: the shape the catch-up stands in for.
+            decision = Decision(
+                NO_SPEC,
+                DecisionSource.CATCH_UP,
+                predicted_ms,
+                1.0,
+                decision.shape,
+                decision.predicted_ms,
+                decision.predicted_emitted,
+            )
         skips = (
             self.config.skip_idle_draft_extend
             and not decision.shape.speculative

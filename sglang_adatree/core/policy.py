@@ -128,6 +128,13 @@ class Decision:
     source: DecisionSource
     predicted_ms: float  # step time
     predicted_emitted: float  # emitted tokens per request
+    # The runner-up: of the other candidates, the one with the highest predicted goodput
+    # (emitted tokens over step time), with what was predicted for it. It is what the
+    # telemetry needs to tell a rival that was underrated from one that was not close; None
+    # where the rule priced no other shape.
+    runner_up: TreeShape | None = None
+    runner_up_ms: float | None = None
+    runner_up_emitted: float | None = None
 
 
 @dataclass(frozen=True)
@@ -350,4 +357,17 @@ class Policy:
         self, shape: TreeShape, source: DecisionSource, times: np.ndarray, emitted: np.ndarray
     ) -> Decision:
         i = self._index[shape]
-        return Decision(shape, source, float(times[i]), float(emitted[i]))
+        goodput = emitted / times  # [candidates]
+        goodput[i] = -np.inf
+        j = int(np.argmax(goodput))
+        if j == i:  # a single candidate
+            return Decision(shape, source, float(times[i]), float(emitted[i]))
+        return Decision(
+            shape,
+            source,
+            float(times[i]),
+            float(emitted[i]),
+            self.candidates[j],
+            float(times[j]),
+            float(emitted[j]),
+        )

@@ -53,6 +53,11 @@ class StepRecord:
     drafted_tokens: int  # draft tokens verified, batch total (num_draft_tokens - 1 per request)
     accepted_tokens: int  # accepted draft tokens, batch total (emitted_tokens - batch_size)
     goodput: float  # emitted tokens per second of measured step time
+    # The candidate priced next best ("S,K,N", ``policy.Decision.runner_up``) and what was
+    # predicted for it; None where the decision priced no other shape.
+    runner_up: str | None = None
+    runner_up_step_ms: float | None = None
+    runner_up_accept_len: float | None = None
     accepted_by_depth: tuple[int, ...] = ()
     accepted_by_rank: tuple[int, ...] = ()
 

@@ -46,6 +46,9 @@ class TelemetrySink:
                 drafted_tokens=report.drafted_tokens,
                 accepted_tokens=report.accepted_tokens,
                 goodput=report.goodput,
+                runner_up=None if decision.runner_up is None else str(decision.runner_up),
+                runner_up_step_ms=decision.runner_up_ms,
+                runner_up_accept_len=decision.runner_up_emitted,
                 accepted_by_depth=report.accepted_by_depth,
                 accepted_by_rank=report.accepted_by_rank,
             )
