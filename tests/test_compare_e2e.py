@@ -98,6 +98,18 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
         ).all()
     assert steps and set(steps) == {(3, 1, 4, "pin")}
     assert not (work / "telemetry.sqlite").exists()
+    # Its estimates over the prompts, from that database: the warm-up's steps left out, every
+    # step's runner-up one of the other candidates, which a pinned server never runs.
+    estimates = result["estimates"]
+    assert list(estimates) == ["adatree@3,1,4"]
+    (shape,) = estimates["adatree@3,1,4"]["shapes"]
+    assert shape["shape"] == "3,1,4" and 0 < shape["steps"] < len(steps)
+    assert shape["predicted_accept_len"] >= 1.0 and shape["measured_step_ms"] > 0
+    rivals = estimates["adatree@3,1,4"]["runner_ups"]
+    assert {r["runner_up"] for r in rivals} <= {"0,1,1", "1,1,2"}
+    assert sum(r["steps"] for r in rivals) == shape["steps"]
+    assert all(r["measured_accept_len"] is None for r in rivals)
+    assert "adatree@3,1,4's estimates over the prompts" in done.stdout
     assert processes_with_env(marker) == []
 
 

@@ -23,9 +23,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from sglang_adatree.config import load_config
 from sglang_adatree.core.shapes import ShapeError, parse_candidates
 from sglang_adatree.sglang import allocator
+from sglang_adatree.telemetry.estimates import Estimates
 from sglang_adatree.tools.bench.commands import (
     add_model_arguments,
     add_profile_argument,
@@ -39,13 +42,20 @@ from sglang_adatree.tools.bench.configurations import (
     parse_configurations,
     with_instances,
 )
+from sglang_adatree.tools.bench.databases import database_url
 from sglang_adatree.tools.bench.paired import (
     PairedPlan,
+    PairedRun,
     instance_lines,
     machine_load,
     run_paired,
     summarize,
     table_lines,
+)
+from sglang_adatree.tools.bench.served_estimates import (
+    estimate_lines,
+    estimates_json,
+    read_estimates,
 )
 from sglang_adatree.tools.bench.servers import ServerError
 from sglang_adatree.tools.bench.workloads import WORKLOAD_NAMES, load_workload
@@ -172,6 +182,21 @@ def _plan(args: argparse.Namespace) -> PairedPlan:
     )
 
 
+def served_estimates(plan: PairedPlan, paired: PairedRun) -> dict[str, Estimates]:
+    """Per adatree server, its estimates over the prompts; a database that cannot be read is
+    left out with a message (the comparison stands without it)."""
+    out = {}
+    for config in plan.configurations:
+        if config.kind != "adatree-serve":
+            continue
+        try:
+            db_url = database_url(config, plan.work_dir, shared_url=None)
+            out[config.name] = read_estimates(db_url, paired.prompts_span)
+        except SQLAlchemyError as exc:
+            print(f"adatree compare: {config.name}: no estimates: {exc}", file=sys.stderr)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
     signal.signal(signal.SIGTERM, exit_on_signal)
@@ -198,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if paired.stage_ms:
         print("\n" + "\n".join(stage_lines(paired.stage_ms)))
+    served = served_estimates(plan, paired)
+    for name, est in served.items():
+        print("\n" + "\n".join(estimate_lines(name, est)))
     if args.out:
         args.out.write_text(
             json.dumps(
@@ -210,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
                     "minutes": round(minutes, 1),
                     "summary": [asdict(s) for s in summaries],
                     "stage_clock_ms_per_token": paired.stage_ms,
+                    "estimates": {name: estimates_json(est) for name, est in served.items()},
                     "samples": [asdict(s) for s in samples],
                 },
                 indent=1,

@@ -241,6 +241,8 @@ class PairedRun:
     # Per configuration, SGLang's stage clock over the prompts, ms per generated token by
     # stage (``stage_clock.ms_per_token``); empty unless the plan asked for it.
     stage_ms: dict[str, dict[str, float]]
+    # Unix seconds of the first prompt sent and the last answer read (the warm-up before).
+    prompts_span: tuple[float, float] = (0.0, 0.0)
 
 
 def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
@@ -305,6 +307,7 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
             )
         )
         dead: dict[str, str] = {}  # name -> why its remaining prompts were not sent
+        prompts_started = time.time()
         for i, text in enumerate(texts):
             for name in request_order(i, names):
                 if name in dead:
@@ -322,13 +325,14 @@ def run_paired(plan: PairedPlan, progress: bool = True) -> PairedRun:
                             tqdm.write(f"adatree compare: {exc}", file=sys.stderr)
                 samples.append(sample)
                 bar.update(1)
+        prompts_span = (prompts_started, time.time())
         stage_ms: dict[str, dict[str, float]] = {}
         for name, start in before.items():
             try:
                 stage_ms[name] = ms_per_token(start, read_stage_clock(session, servers[name].url))
             except (requests.RequestException, ValueError) as exc:
                 print(f"adatree compare: {name}: no stage clock: {exc}", file=sys.stderr)
-    return PairedRun(samples, stage_ms)
+    return PairedRun(samples, stage_ms, prompts_span)
 
 
 def _one(
