@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from admin_helpers import seed_run
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from sglang_adatree.telemetry import store
 from sglang_adatree.telemetry.estimates import estimates
@@ -71,3 +71,34 @@ def test_a_runner_up_that_never_ran_has_no_measurement(db_url):
         r.runner_up for r in everything.runner_ups_of(chain)
     }
     assert all(r.measured_accept_len is not None for r in everything.runner_ups_of(chain))
+
+
+def test_catch_up_steps_count_but_their_times_do_not(db_url):
+    run_id = seed_run(db_url, 600, seed=31)
+    engine = store.get_engine(db_url)
+    with engine.connect() as conn:
+        before = {e.shape: e for e in estimates(conn, Step.run_id == run_id).shapes}
+    label = max(before, key=lambda shape: before[shape].num_steps)
+    steps, topk, ndt = (int(x) for x in label.split(","))
+    of_shape = (Step.steps == steps, Step.topk == topk, Step.num_draft_tokens == ndt)
+    with engine.begin() as conn:
+        # Every other step of the shape becomes a catch-up that also ran the draft's extend.
+        ids = conn.execute(select(Step.id).where(Step.run_id == run_id, *of_shape)).scalars()
+        caught = list(ids)[::2]
+        conn.execute(
+            update(Step)
+            .where(Step.id.in_(caught))
+            .values(decision_source="catch-up", measured_step_ms=Step.measured_step_ms + 1000.0)
+        )
+        kept = conn.execute(
+            select(Step.predicted_step_ms, Step.measured_step_ms).where(
+                Step.run_id == run_id, *of_shape, Step.id.not_in(caught)
+            )
+        ).all()
+    with engine.connect() as conn:
+        after = {e.shape: e for e in estimates(conn, Step.run_id == run_id).shapes}
+    assert after[label].num_steps == before[label].num_steps
+    assert after[label].measured_accept_len == pytest.approx(before[label].measured_accept_len)
+    assert (after[label].predicted_step_ms, after[label].measured_step_ms) == pytest.approx(
+        tuple(np.mean([tuple(r) for r in kept], axis=0))
+    )

@@ -8,7 +8,9 @@ on its own steps of the same selection. A runner-up predicted below what it meas
 runs was underrated; a shape predicted above what it measures was chosen on an error.
 
 The dashboard's shapes page and ``adatree compare`` read both; the means are over the steps the
-caller's ``WHERE`` selects, at whatever batch sizes those steps ran.
+caller's ``WHERE`` selects, at whatever batch sizes those steps ran. Step times are averaged over
+the steps a cost model learns from (``learning.learnable``): a catch-up step is predicted as no
+speculation but also runs the draft's extend, so it would read as no speculation's error.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, func, select
+from sqlalchemy import ColumnElement, Connection, case, func, select
 
+from sglang_adatree.telemetry.learning import learnable
 from sglang_adatree.telemetry.models import Step
 
 
@@ -29,8 +32,8 @@ class ShapeEstimate:
     num_steps: int
     predicted_accept_len: float | None  # None: no step of it was predicted
     measured_accept_len: float
-    predicted_step_ms: float | None
-    measured_step_ms: float
+    predicted_step_ms: float | None  # None: no step of it a cost model learns from
+    measured_step_ms: float | None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,7 +103,7 @@ def estimates(conn: Connection, *where: ColumnElement[bool]) -> Estimates:
             predicted_accept_len=_float(p_acc),
             measured_accept_len=float(m_acc),
             predicted_step_ms=_float(p_ms),
-            measured_step_ms=float(m_ms),
+            measured_step_ms=_float(m_ms),
         )
         for s, k, n, count, p_acc, m_acc, p_ms, m_ms in conn.execute(
             select(
@@ -108,8 +111,8 @@ def estimates(conn: Connection, *where: ColumnElement[bool]) -> Estimates:
                 func.count(),
                 func.avg(Step.predicted_accept_len),
                 func.avg(Step.measured_accept_len),
-                func.avg(Step.predicted_step_ms),
-                func.avg(Step.measured_step_ms),
+                func.avg(case((learnable(), Step.predicted_step_ms))),
+                func.avg(case((learnable(), Step.measured_step_ms))),
             )
             .where(*where)
             .group_by(*shape)

@@ -47,7 +47,7 @@ def estimate_lines(name: str, est: Estimates) -> list[str]:
         line = (
             f"  {e.shape:>8} {e.num_steps:>5} steps  acceptance {_num(e.predicted_accept_len, 2)}"
             f" / {e.measured_accept_len:.2f}  step {_num(e.predicted_step_ms, 1)}"
-            f" / {e.measured_step_ms:.1f} ms"
+            f" / {_num(e.measured_step_ms, 1)} ms"
         )
         if rivals:
             shown = ", ".join(_rival(r) for r in rivals[:RUNNER_UPS_SHOWN])
