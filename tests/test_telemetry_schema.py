@@ -37,6 +37,13 @@ def _check_migrated(url: str) -> None:
     assert {"ix_steps_run_id_wall_time", "ix_steps_run_id_step_index"} <= indexes
 
 
+def _database(backend: str, tmp_path, request) -> str:
+    """An empty database of ``backend``: a SQLite file, or one on the test PostgreSQL server."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'a.sqlite'}"
+    return request.getfixturevalue("pg_server").create_database()
+
+
 def test_sqlite_upgrade_from_empty_matches_models(tmp_path):
     url = f"sqlite:///{tmp_path / 'sub' / 'a.sqlite'}"  # the directory is created too
     assert store.upgrade(url) == store.head_revision()
@@ -51,10 +58,7 @@ def test_postgres_upgrade_from_empty_matches_models(pg_server):
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_downgrade_to_base_and_up_again(backend, tmp_path, request):
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'a.sqlite'}"
-    else:
-        url = request.getfixturevalue("pg_server").create_database()
+    url = _database(backend, tmp_path, request)
     store.upgrade(url)
     assert store.downgrade(url, "0001") == "0001"
     assert "pins" not in inspect(store.get_engine(url)).get_table_names()
@@ -193,10 +197,7 @@ def test_upgrade_works_outside_the_source_tree(tmp_path):
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_0003_keeps_recorded_steps_and_retires_old_feature_versions(backend, tmp_path, request):
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'a.sqlite'}"
-    else:
-        url = request.getfixturevalue("pg_server").create_database()
+    url = _database(backend, tmp_path, request)
     store.upgrade(url, "0002")
     engine = store.get_engine(url)
     with engine.begin() as conn:
@@ -242,10 +243,7 @@ def test_0003_keeps_recorded_steps_and_retires_old_feature_versions(backend, tmp
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, request):
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'a.sqlite'}"
-    else:
-        url = request.getfixturevalue("pg_server").create_database()
+    url = _database(backend, tmp_path, request)
     store.upgrade(url, "0003")
     engine = store.get_engine(url)
     with engine.begin() as conn:

@@ -16,12 +16,18 @@ from sglang_adatree.telemetry.writer import TelemetryWriter
 RUN = RunRecord("t", "d", "cpu", "x", "y")
 
 
-def test_a_dropped_completion_leaves_every_later_row_its_own(tmp_path):
+def recording(tmp_path) -> tuple[str, TelemetryWriter, int, StepController]:
+    """A migrated SQLite store, its writer and run, and a controller in warm-up recording to it."""
     url = f"sqlite:///{tmp_path / 'adatree.sqlite'}"
     upgrade(url)
     writer = TelemetryWriter(url, flush_s=0.05)
     run_id = writer.start_run(RUN)
     controller = StepController(config(warmup_steps=1000), sinks=[TelemetrySink(writer, run_id)])
+    return url, writer, run_id, controller
+
+
+def test_a_dropped_completion_leaves_every_later_row_its_own(tmp_path):
+    url, writer, run_id, controller = recording(tmp_path)
     # Overlap scheduling: step i + 1 is launched before step i finishes. Step 4's result never
     # comes back (an aborted batch).
     previous = None
@@ -52,11 +58,7 @@ def test_a_dropped_completion_leaves_every_later_row_its_own(tmp_path):
 
 
 def test_each_row_records_its_runner_up(tmp_path):
-    url = f"sqlite:///{tmp_path / 'adatree.sqlite'}"
-    upgrade(url)
-    writer = TelemetryWriter(url, flush_s=0.05)
-    run_id = writer.start_run(RUN)
-    controller = StepController(config(warmup_steps=1000), sinks=[TelemetrySink(writer, run_id)])
+    url, writer, _, controller = recording(tmp_path)
     decisions = []
     for i in range(5):
         ticket = controller.begin(BatchView(("a",), (100 + i,)))
