@@ -143,6 +143,23 @@ def test_a_profiled_start_prices_adatree_by_the_profile(tmp_path, monkeypatch):
     assert cli.main([*args, "--profiled-start", "0.03"]) == 2
 
 
+def test_a_tilt_charges_every_policy_by_the_tilted_machine(tmp_path, capsys):
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--no-decompose", "--profiled-start", "0.03"]
+    paths = {t: tmp_path / f"tilt-{t}.json" for t in ("0", "0.5")}
+    for tilt, path in paths.items():
+        assert cli.main([*args, "--tilt", tilt, "--out", str(path)]) == 0
+    assert "tilt 0.5" in capsys.readouterr().out  # the scenario's line says so
+    level, tilted = (
+        {r["policy"]: r for r in json.loads(path.read_text())} for path in paths.values()
+    )
+    # No speculation costs what it did; every tree costs more, so every static tree is slower.
+    assert tilted["ar"]["goodput_tok_s"] == pytest.approx(level["ar"]["goodput_tok_s"])
+    statics = [p for p in level if p.startswith("static:") and p != "static:0,1,1"]
+    assert statics
+    for policy in statics:
+        assert tilted[policy]["goodput_tok_s"] < level[policy]["goodput_tok_s"]
+
+
 def test_a_profiled_start_is_off_by_one_seeded_factor_a_shape():
     h100 = analytic_gpu_profile("h100-sxm", DEFAULT_CANDIDATES)
     a = sources.profiled_start(h100, 0.05, seed=3)

@@ -76,6 +76,28 @@ def test_step_noise_has_its_sigma_and_its_step_to_step_correlation(keep):
         SimConfig(Arrivals("closed", concurrency=1), num_requests=1, noise_keep=1.0)
 
 
+@pytest.mark.parametrize("tilt", [0.5, -0.5])
+def test_a_tilt_raises_each_shapes_ratio_to_no_speculation(tilt):
+    from sglang_adatree.lab.simulator import _Machine
+
+    table = profile()
+    arrivals = Arrivals("closed", concurrency=1)
+    level = _Machine(table, SimConfig(arrivals, num_requests=1))
+    tilted = _Machine(table, SimConfig(arrivals, num_requests=1, tilt=tilt))
+    features = StepFeatures(4, 4, 2000, 600)
+    plain = table.step_ms(features, NO_SPEC)
+    assert tilted.true_ms(features, NO_SPEC) == level.true_ms(features, NO_SPEC) == plain
+    for shape in SHAPES[1:]:
+        ratio = table.step_ms(features, shape) / plain
+        assert level.true_ms(features, shape) == pytest.approx(plain * ratio)
+        assert tilted.true_ms(features, shape) == pytest.approx(plain * ratio ** np.exp(tilt))
+        # A positive tilt makes every tree dearer against no speculation, a negative cheaper.
+        assert (tilted.true_ms(features, shape) > level.true_ms(features, shape)) == (tilt > 0)
+    catch_up, tilted_catch_up = level.catch_up_ms(features), tilted.catch_up_ms(features)
+    assert tilted_catch_up == pytest.approx(plain * (catch_up / plain) ** np.exp(tilt))
+    assert tilted.prefill_ms(100) == level.prefill_ms(100)
+
+
 def test_a_prefill_costs_a_step_without_speculation_per_64_prompt_tokens():
     from sglang_adatree.lab.simulator import _Machine
 

@@ -67,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "seeded log-normal ERROR (e.g. 0.03), as a server with step_time_profile does",
     )
     parser.add_argument("--seed", type=int, default=None, help="override the scenarios' seed")
+    parser.add_argument(
+        "--tilt",
+        type=float,
+        default=None,
+        metavar="T",
+        help="the machine splits its time otherwise than the profile: each shape's step time over "
+        "no speculation's is the profile's raised to exp(T) (e.g. 0.4: trees dearer)",
+    )
     parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
     parser.add_argument("--home", default=None, help="data directory (traces are cached there)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -96,6 +104,8 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
             s = dataclasses.replace(s, profile=args.profile)
         if args.seed is not None:
             s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, seed=args.seed))
+        if args.tilt is not None:
+            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, tilt=args.tilt))
         out.append(s)
     return out
 

@@ -97,9 +97,10 @@ class Scenario:
     candidates: tuple[TreeShape, ...] = DEFAULT_CANDIDATES
 
     def describe(self) -> str:
+        tilt = f", tilt {self.sim.tilt:g}" if self.sim.tilt else ""
         return (
             f"{self.traces} on {self.profile}, {self.sim.arrivals.describe()}, "
-            f"{self.sim.num_requests} requests"
+            f"{self.sim.num_requests} requests{tilt}"
         )
 
 

@@ -12,6 +12,15 @@ CPU's slow and fast steps come in runs); both are seeded, so a run is a pure fun
 inputs. A prefill of ``P`` prompt tokens costs ``1 + P / PREFILL_TOKENS_PER_STEP`` steps
 without speculation at that context (``_Machine.prefill_ms``).
 
+``tilt`` makes the serving machine split its time between shapes otherwise than the profile
+does: each step's time over the step without speculation at the same batch is the profile's
+ratio raised to ``exp(tilt)`` (a positive tilt makes every tree dearer against no speculation, a
+negative one cheaper). A machine whose memory bandwidth comes and goes moves that ratio: a
+served CPU run measured the step without speculation 2.6 times faster than its profile said
+half an hour before and the tree 3,4,8 only 1.7 times
+(``docs/notes/2026-12-06-the-runner-up.md``). A policy that starts from the profile then
+starts from a stale ratio, which a speed common to every shape cannot carry.
+
 The policy under test is driven the way the SGLang worker drives it: through
 ``core.controller.StepController`` (adatree and the re-implemented baselines, catch-up steps,
 refits as the control poller would hand them over), fed the noisy measured step time and the
@@ -109,6 +118,9 @@ class SimConfig:
     # ``noise``); 0: independent steps.
     noise_keep: float = 0.0
     drift: float = 0.0  # stationary sigma of the log speed walk
+    # Each step's time over no speculation's is the profile's raised to exp(tilt) (module
+    # docstring); 0: the profile's ratios.
+    tilt: float = 0.0
     seed: int = 0
     shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
     # Requests served one at a time before the measured ones, unmeasured: the loop's state
@@ -291,6 +303,8 @@ class _Machine:
         self.noise_keep = cfg.noise_keep
         self.log_noise = 0.0  # the last decode step's
         self.drift = cfg.drift
+        self.tilt = cfg.tilt
+        self.tilt_power = math.exp(cfg.tilt)
         self.noise_rng = np.random.default_rng(cfg.seed + 7919)
         self.speed_rng = np.random.default_rng(cfg.seed + 104729)
         self.log_speeds = [0.0]  # on the SPEED_TICK_S grid from time 0
@@ -314,7 +328,14 @@ class _Machine:
         return math.exp(self.log_speeds[int(self.now / SPEED_TICK_S)])
 
     def true_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        return self.profile.step_ms(features, shape) * self.speed
+        return self._tilted(features, self.profile.step_ms(features, shape)) * self.speed
+
+    def _tilted(self, features: StepFeatures, ms: float) -> float:
+        """``ms``, a step's time by the profile, with its ratio to no speculation's tilted."""
+        if self.tilt == 0.0:
+            return ms
+        plain = self.profile.step_ms(features, NO_SPEC)
+        return plain * (ms / plain) ** self.tilt_power
 
     def catch_up_ms(self, features: StepFeatures) -> float:
         plain = self.profile.step_ms(features, NO_SPEC)
@@ -326,7 +347,7 @@ class _Machine:
                 extra = max(0.0, self.profile.step_ms(features, CHAIN_1) - plain) / 2.0
             except KeyError:
                 extra = 0.1 * plain
-        return (plain + extra) * self.speed
+        return self._tilted(features, plain + extra) * self.speed
 
     def measured(self, true_ms: float) -> float:
         if self.noise <= 0:
