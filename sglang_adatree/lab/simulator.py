@@ -303,8 +303,7 @@ class _Machine:
         self.noise_keep = cfg.noise_keep
         self.log_noise = 0.0  # the last decode step's
         self.drift = cfg.drift
-        self.tilt = cfg.tilt
-        self.tilt_power = math.exp(cfg.tilt)
+        self.tilt_power = math.exp(cfg.tilt)  # 1: the profile's ratios
         self.noise_rng = np.random.default_rng(cfg.seed + 7919)
         self.speed_rng = np.random.default_rng(cfg.seed + 104729)
         self.log_speeds = [0.0]  # on the SPEED_TICK_S grid from time 0
@@ -332,7 +331,7 @@ class _Machine:
 
     def _tilted(self, features: StepFeatures, ms: float) -> float:
         """``ms``, a step's time by the profile, with its ratio to no speculation's tilted."""
-        if self.tilt == 0.0:
+        if self.tilt_power == 1.0:
             return ms
         plain = self.profile.step_ms(features, NO_SPEC)
         return plain * (ms / plain) ** self.tilt_power
