@@ -6,6 +6,7 @@ from synthetic import sample_steps
 
 from sglang_adatree.core.cost_model import (
     MIN_STEP_MS,
+    PROFILE_ERROR,
     AnalyticStepTime,
     OnlineCostModel,
     ResidualCorrection,
@@ -163,13 +164,75 @@ def test_a_step_is_observed_against_its_own_batch_whichever_was_priced_last():
     kept.observe(a, shape, 40.0)
     assert kept.predict_ms(a, shape) == AnalyticStepTime().predict_matrix(
         feature_matrix(a, (shape,))
-    )[0] * kept.residual.factor(shape)
+    )[0] * kept.residual.factor(shape, kept.lever(a, shape))
     fresh.observe(a, shape, 40.0)
     fresh.observe(a, shape, 40.0)
     assert kept.residual.factor(shape) == fresh.residual.factor(shape)
     assert kept.predict_ms_many(b, DEFAULT_CANDIDATES).tolist() == (
         fresh.predict_ms_many(b, DEFAULT_CANDIDATES).tolist()
     )
+
+
+def test_a_shapes_lever_is_the_log_of_its_price_over_no_speculations():
+    model, f = OnlineCostModel(AnalyticStepTime(), residual_decay=0.1), StepFeatures(4, 4, 800, 300)
+    raw = dict(zip(DEFAULT_CANDIDATES, model.raw_ms_many(f, DEFAULT_CANDIDATES), strict=True))
+    assert model.lever(f, NO_SPEC) == 0.0
+    for shape in DEFAULT_CANDIDATES:
+        assert model.lever(f, shape) == pytest.approx(math.log(raw[shape] / raw[NO_SPEC]))
+
+
+def test_a_machine_that_splits_its_time_otherwise_reprices_no_speculation_unrun():
+    # Trees cost more against plain decoding than the model says: each shape's time over the
+    # model's is exp(tilt * lever). A chain runs and a large tree is explored now and then; no
+    # speculation never runs. The drift the chain sets would price no speculation at the
+    # chain's surcharge; the two levers tell the tilt from the drift, and no speculation's
+    # price comes back to what it costs.
+    rng = np.random.default_rng(2)
+    tilt, f = 1.0, StepFeatures(1, 1, 200, 200)
+    chain, tree = TreeShape(1, 1, 2), TreeShape(4, 4, 12)
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
+    drift_only = ResidualCorrection(0.05)
+    for t in range(400):
+        shape = tree if t % 50 == 25 else chain
+        raw, lever = model.raw_ms_many(f, (shape,))[0], model.lever(f, shape)
+        ms = raw * math.exp(tilt * lever + 0.05 * rng.standard_normal())
+        model.observe(f, shape, ms)
+        drift_only.update(shape, ms, raw)
+    assert model.lever(f, chain) > 0.1 and model.lever(f, tree) > 2.0 * model.lever(f, chain)
+    plain = model.raw_ms_many(f, (NO_SPEC,))[0]
+    assert model.predict_ms(f, NO_SPEC) == pytest.approx(plain, rel=0.05)
+    assert model.residual.tilt == pytest.approx(tilt, rel=0.15)
+    assert drift_only.factor(NO_SPEC) > math.exp(0.8 * tilt * model.lever(f, chain))
+    for shape in (chain, tree):
+        truth = model.raw_ms_many(f, (shape,))[0] * math.exp(tilt * model.lever(f, shape))
+        assert model.predict_ms(f, shape) == pytest.approx(truth, rel=0.05)
+
+
+def test_one_step_without_speculation_reprices_it_against_a_profile_worth_tens_of_steps():
+    # Priced by a profile, on a CPU's noise: every speculative shape costs 60% more against
+    # plain decoding than the profile says. The trees run; the drift they set prices plain
+    # decoding 60% over its cost; its part, priced by the profile, is worth tens of steps. One
+    # step of it, at its cost, sets the offset common to the speculative shapes instead.
+    rng = np.random.default_rng(4)
+    f, trees = StepFeatures(1, 1, 200, 200), (TreeShape(3, 4, 8), TreeShape(4, 4, 12))
+    model = OnlineCostModel(AnalyticStepTime(), 0.05, profile_error=PROFILE_ERROR)
+    plain = model.raw_ms_many(f, (NO_SPEC,))[0]
+
+    def run(steps: int) -> None:
+        for t in range(steps):
+            shape = trees[t % 7 == 3]
+            cost = 1.6 * model.raw_ms_many(f, (shape,))[0]
+            model.observe(f, shape, cost * math.exp(0.17 * rng.standard_normal()))
+
+    run(400)
+    assert model.predict_ms(f, NO_SPEC) > 1.3 * plain
+    model.observe(f, NO_SPEC, plain)
+    run(100)
+    assert model.predict_ms(f, NO_SPEC) == pytest.approx(plain, rel=0.1)
+    assert model.residual.offset > 0.2
+    for tree in trees:
+        cost = 1.6 * model.raw_ms_many(f, (tree,))[0]
+        assert model.predict_ms(f, tree) == pytest.approx(cost, rel=0.1)
 
 
 def test_predictions_never_reach_zero():

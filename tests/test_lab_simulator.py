@@ -14,7 +14,7 @@ from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.policy import DecisionSource
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
-from sglang_adatree.core.step_profile import TableProfile
+from sglang_adatree.core.step_profile import ProfileStepTime, TableProfile
 from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
 from sglang_adatree.lab.simulator import (
     PREFILL_TOKENS_PER_STEP,
@@ -216,6 +216,22 @@ def test_the_runner_scores_every_policy_and_splits_adatrees_loss():
     assert sum(result.decomposition.values()) == pytest.approx(gap, abs=1e-9)
     # With every estimate true the loop is close to the per-step oracle.
     assert result.ratio(f"adatree+{'+'.join(DECOMPOSITION)}", "per-step-oracle") > 0.9
+
+
+def test_a_server_priced_by_a_profile_stops_speculating_on_a_machine_where_trees_cost_more():
+    # The machine splits its time otherwise than the profile the controller starts from:
+    # every tree's ratio to plain decoding is the profile's raised to exp(1.2), and plain
+    # decoding is the best static choice. The speculative steps' surprise is taken by the
+    # tilt, not by a drift common to plain decoding too, so plain decoding is priced right
+    # without having run and the server serves almost all its steps without speculation.
+    traces = parametric_traces("t", "test pair", SHAPES, HAZARDS, num_requests=24, answer_len=128)
+    sim = SimConfig(Arrivals("closed", concurrency=1), num_requests=24, noise=0.1, tilt=1.2)
+    result = run_scenario(
+        traces, profile(), sim, CONFIG, SHAPES, ("adatree",), False, (), ProfileStepTime(profile())
+    )
+    assert result.oracle_static == "ar"
+    assert result.ratio("adatree", "ar") > 0.97
+    assert result.runs["adatree"].shape_shares[str(NO_SPEC)] > 0.95
 
 
 def _logged_controller(log: list):

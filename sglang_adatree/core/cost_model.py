@@ -12,10 +12,14 @@ Two layers:
 
 The residual correction is a Kalman filter over ``log(measured_ms / predicted_ms)``, whose
 state is a drift common to every shape (the machine's speed: a shared CPU, a GPU's clocks,
-neighbours) and one part per shape (how far the step-time model misprices that shape), each
-with its variance and their covariances. A step of a shape measures the sum of the drift and
-that shape's part, plus the step's own noise, and splits what it says between them in
-proportion to how little each is known:
+neighbours), the split (how the machine prices speculation against plain decoding otherwise
+than the model does: a tilt per unit of a shape's lever, and an offset common to every
+speculative shape), and one part per shape (how far the step-time model misprices that shape),
+each with its variance and their covariances. A step of a shape measures the drift, plus the
+tilt times the shape's lever (the log of the shape's predicted time over no speculation's for
+the same batch: 0 for no speculation), plus the offset if the shape speculates, plus that
+shape's part, plus the step's own noise, and splits what it says between them in proportion to
+how little each is known:
 
 * at the start the drift is unknown (the default model may be a GPU's costs on a CPU, ten times
   off) and a shape's part is near the model's view of the shape (which counts as
@@ -42,14 +46,26 @@ then). A profile worth a fixed 16 steps held its price against a few slow explor
 the CPU but cost the GPU scenarios more
 (docs/notes/2026-12-05-a-profile-worth-the-platforms-noise.md).
 
-The corrected prediction is ``predicted_ms * exp(drift + shape's part)``. Without the drift
-only the shape that runs learns that the machine got faster or slower: measured on this CPU, the
-chain 1,1,2 went from 139 to 115 ms a step while it ran, the tree 2,2,4 kept its old prediction
-(186 ms; an exploring step measured it at 130) and the policy stayed on the chain for 200 steps
-where the tree was 6% better. The filter replaces a moving average per shape beside a drift
-that took about 80% of every surprise: under a shared CPU's noise that split kept a shape's
-error from its warm-up steps (20% in a served run) for the rest of a run, since an exploring
-step of that shape mostly moved the drift, which the running shape's steps then moved back.
+The split is what a machine that is not the profiled one looks like: a shared CPU can speed up
+its plain step more than its trees (memory against compute), a change in the shapes' ratio that
+the drift, common to all, cannot carry. With the drift alone, the speculative shapes that run
+set it, no speculation is priced by it, and a profile-priced part, worth tens of steps, barely
+moves on the rare step that measures it: a server goes on speculating where speculation loses
+(docs/notes/2026-12-06-the-split.md). With the split, two shapes of different levers (an
+exploring step of a larger tree is one) tell the tilt from the drift, and no speculation's price
+follows without its running; one step of no speculation sets the offset, which a part worth
+tens of steps would not have let it move.
+
+The corrected prediction is
+``predicted_ms * exp(drift + lever * tilt + [speculative] * offset + shape's part)``. Without
+the drift only the shape that runs learns that the machine got faster or slower: measured on
+this CPU, the chain 1,1,2 went from 139 to 115 ms a step while it ran, the tree 2,2,4 kept its
+old prediction (186 ms; an exploring step measured it at 130) and the policy stayed on the chain
+for 200 steps where the tree was 6% better. The filter replaces a moving average per shape
+beside a drift that took about 80% of every surprise: under a shared CPU's noise that share
+kept a shape's error from its warm-up steps (20% in a served run) for the rest of a run, since
+an exploring step of that shape mostly moved the drift, which the running shape's steps then
+moved back.
 """
 
 from __future__ import annotations
@@ -63,8 +79,15 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from scipy.optimize import nnls
 
-from sglang_adatree.core.features import COLUMN, NUM_FEATURES, StepFeatures, feature_matrix
-from sglang_adatree.core.shapes import TreeShape
+from sglang_adatree.core.features import (
+    COLUMN,
+    NUM_FEATURES,
+    StepFeatures,
+    build_feature_matrix,
+    feature_matrix,
+    shape_columns,
+)
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 
 if TYPE_CHECKING:
     from sglang_adatree.core.cost_table import CostTable
@@ -100,6 +123,14 @@ NOISE_SETTLED = 20
 # A part's walk per step: after a thousand steps without running, a shape's standing is as
 # uncertain as one step of it.
 PART_WALK = 0.001
+# The variance at the start of the split's two states, in noise units: how far the machine may
+# price speculation against plain decoding otherwise than the step-time model does, per unit of
+# a shape's lever (the tilt) and for every speculative shape alike (the offset). Ten of a step's
+# noise: a machine whose trees cost twice what the model says against plain decoding is a
+# surprise a few steps can take. Both walk as a part does.
+SPLIT_PRIOR = 100.0
+# The states before the parts: the drift, the tilt, the offset.
+_COMMON = 3
 
 
 class CostModel(Protocol):
@@ -195,8 +226,8 @@ def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 class ResidualCorrection:
-    """A Kalman filter over ``log(measured / predicted)``: the drift common to every shape and
-    one part per shape; see the module docstring."""
+    """A Kalman filter over ``log(measured / predicted)``: the drift common to every shape, the
+    split (the tilt and the offset) and one part per shape; see the module docstring."""
 
     def __init__(self, decay: float, profile_error: float | None = None) -> None:
         if not 0.0 < decay <= 1.0:
@@ -214,15 +245,19 @@ class ResidualCorrection:
         gain = min(MAX_DRIFT_GAIN, DRIFT_GAIN_RATIO * decay)
         # The walk whose steady gain, for one shape running, is ``gain``.
         self.drift_walk = gain * gain / (1.0 - gain)
-        self._x = np.zeros(1)  # [1 + shapes] drift, then each shape's part
-        self._cov = np.full((1, 1), DRIFT_PRIOR)  # [1 + shapes, 1 + shapes] in noise units
+        # [3 + shapes] the drift, the tilt, the offset, then each shape's part
+        self._x = np.zeros(_COMMON)
+        # [3 + shapes, 3 + shapes] in noise units
+        self._cov = np.diag([DRIFT_PRIOR, SPLIT_PRIOR, SPLIT_PRIOR])
         self._position: dict[TreeShape, int] = {}  # a shape's index in ``_x``
         self._measured: dict[TreeShape, int] = {}
         # The factors of the last shape tuple asked for, kept up to date: the policy asks for
         # the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
+        self._levers_given: np.ndarray | None = None  # as passed: None for zeros
+        self._cached_common = np.zeros((0, _COMMON))  # [shapes, 3] (1, lever, speculative)
         self._cached_at = np.zeros(0, dtype=np.int64)  # [shapes] positions
-        self._cached_factors = np.ones(0)  # [shapes] exp(drift + shape's part)
+        self._cached_factors = np.ones(0)  # [shapes] the corrections
 
     def _at(self, shape: TreeShape) -> int:
         i = self._position.get(shape)
@@ -236,7 +271,11 @@ class ResidualCorrection:
             i = self._position[shape] = n
         return i
 
-    def update(self, shape: TreeShape, measured_ms: float, predicted_ms: float) -> None:
+    def update(
+        self, shape: TreeShape, measured_ms: float, predicted_ms: float, lever: float = 0.0
+    ) -> None:
+        """One measured step of ``shape``; ``lever``: the log of its predicted time over no
+        speculation's for the same batch (0: the tilt is not measured)."""
         ratio = math.log(max(measured_ms, MIN_STEP_MS) / max(predicted_ms, MIN_STEP_MS))
         i = self._at(shape)
         x, cov = self._x, self._cov
@@ -247,13 +286,15 @@ class ResidualCorrection:
             # larger than the profile's error. Its covariances are still 0: a shape's part
             # moves only once the shape is measured.
             cov[i, i] = self._profile_var(error)
-        # Time passes: the drift and every part walk.
+        # Time passes: the drift, the split and every part walk.
         cov[0, 0] += self.drift_walk
         cov.flat[n + 1 :: n + 1] += PART_WALK
-        # The step measures drift + part i, and its own noise (variance 1).
-        row = cov[0] + cov[i]  # [n] covariance of every state with the measured sum
-        predicted_var = row[0] + row[i] + 1.0  # of the surprise, in noise units
-        surprise = ratio - x[0] - x[i]
+        # The step measures drift + lever * tilt + [speculative] * offset + part i, and its own
+        # noise (variance 1).
+        common = np.array([1.0, lever, 1.0 if shape.speculative else 0.0])  # [3]
+        row = common @ cov[:_COMMON] + cov[i]  # [n] covariance of every state with that sum
+        predicted_var = common @ row[:_COMMON] + row[i] + 1.0  # of the surprise, noise units
+        surprise = ratio - common @ x[:_COMMON] - x[i]
         if predicted_var < NOISE_WELL_KNOWN:
             # The surprise's variance is the noise's times ``predicted_var``.
             self._noise_steps += 1
@@ -266,7 +307,7 @@ class ResidualCorrection:
         cov -= np.outer(gain, row)
         self._measured[shape] = self._measured.get(shape, 0) + 1
         if self._cached_shapes is not None:
-            np.exp(x[0] + x[self._cached_at], out=self._cached_factors)
+            np.exp(self._cached_common @ x[:_COMMON] + x[self._cached_at], out=self._cached_factors)
 
     def _profile_var(self, error: float) -> float:
         """A profile-priced part's variance, in noise units, before its shape is measured."""
@@ -292,16 +333,39 @@ class ResidualCorrection:
             return None
         return math.sqrt(self.noise_var)
 
-    def factor(self, shape: TreeShape) -> float:
-        i = self._position.get(shape)
-        return math.exp(self._x[0] + (self._x[i] if i is not None else 0.0))
+    @property
+    def tilt(self) -> float:
+        """How much dearer (above 0) or cheaper each unit of a shape's lever is on this machine
+        than the step-time model says, in log units."""
+        return float(self._x[1])
 
-    def factors(self, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` multiplicative corrections."""
-        if shapes is not self._cached_shapes:
+    @property
+    def offset(self) -> float:
+        """How much dearer (above 0) or cheaper every speculative shape is against no
+        speculation on this machine than the step-time model says, in log units."""
+        return float(self._x[2])
+
+    def factor(self, shape: TreeShape, lever: float = 0.0) -> float:
+        i = self._position.get(shape)
+        x = self._x
+        spec = x[2] if shape.speculative else 0.0
+        return math.exp(x[0] + lever * x[1] + spec + (x[i] if i is not None else 0.0))
+
+    def factors(self, shapes: Sequence[TreeShape], levers: np.ndarray | None = None) -> np.ndarray:
+        """``[len(shapes)]`` multiplicative corrections; ``levers`` ``[len(shapes)]`` as in
+        ``update`` (None: zeros). Pass the same arrays every step: the result is kept for them."""
+        if shapes is not self._cached_shapes or levers is not self._levers_given:
+            if shapes is not self._cached_shapes:
+                self._cached_at = np.array([self._at(s) for s in shapes], dtype=np.int64)
+                self._cached_common = np.array(
+                    [(1.0, 0.0, 1.0 if s.speculative else 0.0) for s in shapes]
+                ).reshape(len(shapes), _COMMON)
             self._cached_shapes = shapes
-            self._cached_at = np.array([self._at(s) for s in shapes], dtype=np.int64)
-            self._cached_factors = np.exp(self._x[0] + self._x[self._cached_at])
+            self._levers_given = levers
+            self._cached_common[:, 1] = 0.0 if levers is None else levers
+            self._cached_factors = np.exp(
+                self._cached_common @ self._x[:_COMMON] + self._x[self._cached_at]
+            )
         return self._cached_factors
 
     def measured(self, shape: TreeShape) -> int:
@@ -336,6 +400,8 @@ class OnlineCostModel:
         # candidate when it is decided and for its own shape when it is observed.
         self._last: tuple[StepFeatures, Sequence[TreeShape], np.ndarray] | None = None
         self._last_index: dict[TreeShape, int] = {}
+        # ``[len(shapes)]`` the levers of the last row (``ResidualCorrection.update``).
+        self._last_levers = np.zeros(0)
         # A step-time model that prices one batch's shapes directly (``predict_many``, as
         # ``step_profile.ProfileStepTime`` does) is asked so, without feature rows.
         self._predict_many = getattr(step_time, "predict_many", None)
@@ -372,8 +438,16 @@ class OnlineCostModel:
         row = self._raw_row(features, shapes)
         if last is None or last[1] is not shapes:
             self._last_index = {s: i for i, s in enumerate(shapes)}
+        plain = self._last_index.get(NO_SPEC)
+        plain_ms = row[plain] if plain is not None else self._raw_row(features, (NO_SPEC,))[0]
+        self._last_levers = np.log(row / plain_ms)
         self._last = (features, shapes, row)
         return row
+
+    def lever(self, features: StepFeatures, shape: TreeShape) -> float:
+        """The log of ``shape``'s uncorrected time over no speculation's for this batch: how
+        much of the step the tilt acts on (``ResidualCorrection``)."""
+        return math.log(self._raw_one(features, shape) / self._raw_one(features, NO_SPEC))
 
     def _raw_row(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         table = self.table
@@ -389,14 +463,18 @@ class OnlineCostModel:
 
     def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` corrected step times in ms."""
-        return self.raw_ms_many(features, shapes) * self.residual.factors(shapes)
+        row = self.raw_ms_many(features, shapes)
+        return row * self.residual.factors(shapes, self._last_levers)
 
     def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        return float(self._raw_one(features, shape)) * self.residual.factor(shape)
+        lever = self.lever(features, shape)
+        return float(self._raw_one(features, shape)) * self.residual.factor(shape, lever)
 
     def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
         """Pull the prediction for ``shape`` towards ``measured_ms``."""
-        self.residual.update(shape, measured_ms, self._raw_one(features, shape))
+        self.residual.update(
+            shape, measured_ms, self._raw_one(features, shape), self.lever(features, shape)
+        )
 
     def replay(
         self,
@@ -419,13 +497,24 @@ class OnlineCostModel:
         # One matrix prediction for all rows (a row at a time took 0.3 s for 4096 rows, in a
         # thread beside the scheduler's). Against the step-time model itself, not the table,
         # which interpolates the same model.
-        raw = self.step_time.predict_matrix(x)  # [rows]
+        raw = np.maximum(self.step_time.predict_matrix(x), MIN_STEP_MS)  # [rows]
+        c = COLUMN
+        plain = build_feature_matrix(  # [rows, NUM_FEATURES] the same batches unspeculated
+            x[:, c["batch_size"]],
+            x[:, c["padded_batch_size"]],
+            x[:, c["sum_context_len"]],
+            x[:, c["max_context_len"]],
+            shape_columns((NO_SPEC,)),
+        )
+        levers = np.log(raw / np.maximum(self.step_time.predict_matrix(plain), MIN_STEP_MS))
         # In order, a row at a time: the drift links every shape's rows (4096 rows take
         # tens of ms).
         update = self.residual.update
         times = np.asarray(measured_ms, dtype=np.float64).tolist()
-        for shape, ms, predicted in zip(shapes, times, raw.tolist(), strict=True):
-            update(shape, ms, predicted)
+        for shape, ms, predicted, lever in zip(
+            shapes, times, raw.tolist(), levers.tolist(), strict=True
+        ):
+            update(shape, ms, predicted, lever)
 
     def _raw_one(self, features: StepFeatures, shape: TreeShape) -> float:
         features = self.at_floor(features)
