@@ -222,13 +222,14 @@ def test_a_server_priced_by_a_profile_stops_speculating_on_a_machine_where_trees
     # The machine splits its time otherwise than the profile the controller starts from:
     # every tree's ratio to plain decoding is the profile's raised to exp(1.2), and plain
     # decoding is the best static choice. The speculative steps' surprise is taken by the
-    # tilt, not by a drift common to plain decoding too, so plain decoding is priced right
-    # without having run and the server serves almost all its steps without speculation.
+    # split, not by a drift common to plain decoding too, so plain decoding is priced right
+    # and the server serves almost all its steps without speculation.
     traces = parametric_traces("t", "test pair", SHAPES, HAZARDS, num_requests=24, answer_len=128)
     sim = SimConfig(Arrivals("closed", concurrency=1), num_requests=24, noise=0.1, tilt=1.2)
     result = run_scenario(
-        traces, profile(), sim, CONFIG, SHAPES, ("adatree",), False, (), ProfileStepTime(profile())
-    )
+        traces, profile(), sim, CONFIG, SHAPES, policies=("adatree",), decompose=False,
+        timelines=(), profiled=ProfileStepTime(profile()),
+    )  # fmt: skip
     assert result.oracle_static == "ar"
     assert result.ratio("adatree", "ar") > 0.97
     assert result.runs["adatree"].shape_shares[str(NO_SPEC)] > 0.95

@@ -148,8 +148,8 @@ def test_a_controller_with_a_profile_prices_by_it_and_never_refits():
 def _moved_by_slow_explorations(noise: float, profile_error: float | None) -> float:
     """How far three exploring steps of a shape, 40% over its price in slow moments of the
     machine, move its price, while another shape of the same price runs at it with ``noise``.
-    The two shapes' levers are equal, so the tilt cannot take the surprise: the shape's part
-    must (``cost_model.ResidualCorrection``)."""
+    Both speculate and their levers are equal, so the split (tilt and offset) cannot take the
+    surprise: the shape's part must (``cost_model.ResidualCorrection``)."""
     rng = np.random.default_rng(5)
     table = profile(level_trees=True)
     running, explored = SHAPES[2], SHAPES[1]
