@@ -254,7 +254,7 @@ class ResidualCorrection:
         # The factors of the last shape tuple asked for, kept up to date: the policy asks for
         # the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
-        self._levers_given: np.ndarray | None = None  # as passed: None for zeros
+        self._levers_given: np.ndarray | None = None  # the levers of the cached factors
         self._cached_common = np.zeros((0, _COMMON))  # [shapes, 3] (1, lever, speculative)
         self._cached_at = np.zeros(0, dtype=np.int64)  # [shapes] positions
         self._cached_factors = np.ones(0)  # [shapes] the corrections
@@ -351,9 +351,9 @@ class ResidualCorrection:
         spec = x[2] if shape.speculative else 0.0
         return math.exp(x[0] + lever * x[1] + spec + (x[i] if i is not None else 0.0))
 
-    def factors(self, shapes: Sequence[TreeShape], levers: np.ndarray | None = None) -> np.ndarray:
+    def factors(self, shapes: Sequence[TreeShape], levers: np.ndarray) -> np.ndarray:
         """``[len(shapes)]`` multiplicative corrections; ``levers`` ``[len(shapes)]`` as in
-        ``update`` (None: zeros). Pass the same arrays every step: the result is kept for them."""
+        ``update``. Pass the same arrays while nothing changed: the result is kept for them."""
         if shapes is not self._cached_shapes or levers is not self._levers_given:
             if shapes is not self._cached_shapes:
                 self._cached_at = np.array([self._at(s) for s in shapes], dtype=np.int64)
@@ -362,7 +362,7 @@ class ResidualCorrection:
                 ).reshape(len(shapes), _COMMON)
             self._cached_shapes = shapes
             self._levers_given = levers
-            self._cached_common[:, 1] = 0.0 if levers is None else levers
+            self._cached_common[:, 1] = levers
             self._cached_factors = np.exp(
                 self._cached_common @ self._x[:_COMMON] + self._x[self._cached_at]
             )
@@ -447,7 +447,12 @@ class OnlineCostModel:
     def lever(self, features: StepFeatures, shape: TreeShape) -> float:
         """The log of ``shape``'s uncorrected time over no speculation's for this batch: how
         much of the step the tilt acts on (``ResidualCorrection``)."""
-        return math.log(self._raw_one(features, shape) / self._raw_one(features, NO_SPEC))
+        return self._raw_and_lever(features, shape)[1]
+
+    def _raw_and_lever(self, features: StepFeatures, shape: TreeShape) -> tuple[float, float]:
+        """``shape``'s uncorrected time for this batch, and its lever."""
+        raw = self._raw_one(features, shape)
+        return raw, math.log(raw / self._raw_one(features, NO_SPEC))
 
     def _raw_row(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         table = self.table
@@ -467,14 +472,12 @@ class OnlineCostModel:
         return row * self.residual.factors(shapes, self._last_levers)
 
     def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        lever = self.lever(features, shape)
-        return float(self._raw_one(features, shape)) * self.residual.factor(shape, lever)
+        raw, lever = self._raw_and_lever(features, shape)
+        return raw * self.residual.factor(shape, lever)
 
     def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
         """Pull the prediction for ``shape`` towards ``measured_ms``."""
-        self.residual.update(
-            shape, measured_ms, self._raw_one(features, shape), self.lever(features, shape)
-        )
+        self.residual.update(shape, measured_ms, *self._raw_and_lever(features, shape))
 
     def replay(
         self,
