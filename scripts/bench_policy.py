@@ -9,11 +9,14 @@ decide alone.
 Then the step controller (``StepController.begin`` and ``finish``, no sinks) at concurrency 1,
 one request at a time with growing context, under the served configurations: the default
 candidates priced by the analytic model refitted online, priced by the bundled CPU profile (a
-server with ``step_time_profile``), and pinned to no speculation. The last line is exactly::
+server with ``step_time_profile``), and pinned to no speculation. With ``--sweep-mb N`` each
+call is preceded by a read of N MB, as a server's forward reads the target's weights between
+two calls: the controller then runs with its code and data out of the caches, as it does in a
+server, where it takes several times its warm time. The last line is exactly::
 
     policy decision: p50=<us> us p99=<us> us candidates=16
 
-Usage: ``.venv/bin/python scripts/bench_policy.py [--steps 20000] [--rows 4000]``
+Usage: ``.venv/bin/python scripts/bench_policy.py [--steps 20000] [--rows 4000] [--sweep-mb 0]``
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -70,13 +74,30 @@ def served_controllers() -> list[tuple[str, StepController]]:
     ]
 
 
+def cache_sweep(megabytes: int) -> Callable[[], None]:
+    """A read of ``megabytes`` MB (nothing for 0): what a forward does to the caches."""
+    if megabytes <= 0:
+        return lambda: None
+    buffer = np.ones(megabytes * 2**20 // 8)  # [words]
+
+    def sweep() -> None:
+        buffer.sum()
+
+    return sweep
+
+
 def time_controller(
-    controller: StepController, steps: int, rng: np.random.Generator
+    controller: StepController,
+    steps: int,
+    rng: np.random.Generator,
+    sweep: Callable[[], None],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``[steps]`` microseconds of ``begin`` and of ``finish``, the warm-up's steps left out."""
+    """``[steps]`` microseconds of ``begin`` and of ``finish``, each after ``sweep``, the
+    warm-up's steps left out."""
     begin_us, finish_us = np.empty(steps), np.empty(steps)
     context = 300
     for i in range(steps):
+        sweep()
         start = time.perf_counter_ns()
         ticket = controller.begin(BatchView(("r0",), (context,)))
         begin_us[i] = (time.perf_counter_ns() - start) / 1000.0
@@ -86,6 +107,7 @@ def time_controller(
             paths = AcceptedPathStats(*(torch.from_numpy(a) for a in stats))
             accepted = int((stats[1] >= 0).sum())
         outcome = StepOutcome(60.0 + rng.normal(0.0, 3.0), (accepted,), time.time(), paths)
+        sweep()
         start = time.perf_counter_ns()
         controller.finish(ticket, outcome)
         finish_us[i] = (time.perf_counter_ns() - start) / 1000.0
@@ -98,6 +120,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument(
+        "--sweep-mb",
+        type=int,
+        default=0,
+        help="MB read before each controller call, to evict the caches as a forward does "
+        "(0: none, the controller's warm time)",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     shapes = tuple(sorted(DEFAULT_CANDIDATES + EXTRA_SHAPES))
@@ -153,10 +182,12 @@ def main() -> None:
         policy.observe(f, decision.shape, measured_ms, stats, ids)
         observe_ns[i] = time.perf_counter_ns() - start
     print("decision sources:", ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
+    sweep = cache_sweep(args.sweep_mb)
+    swept = f", after a {args.sweep_mb} MB read" if args.sweep_mb > 0 else ""
     for label, controller in served_controllers():
-        begin_us, finish_us = time_controller(controller, args.steps, rng)
+        begin_us, finish_us = time_controller(controller, args.steps, rng, sweep)
         print(
-            f"step controller, {label}: begin p50={np.percentile(begin_us, 50):.1f} us, "
+            f"step controller, {label}{swept}: begin p50={np.percentile(begin_us, 50):.1f} us, "
             f"finish p50={np.percentile(finish_us, 50):.1f} us, "
             f"both p99={np.percentile(begin_us + finish_us, 99):.1f} us"
         )

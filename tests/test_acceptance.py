@@ -6,7 +6,11 @@ import torch
 from synthetic import sample_path_stats
 
 from sglang_adatree.config import AdaTreeConfig
-from sglang_adatree.core.acceptance import PRIOR_RANK_RATIO, AcceptanceEstimator
+from sglang_adatree.core.acceptance import (
+    PRIOR_RANK_RATIO,
+    AcceptanceEstimator,
+    AcceptedPathStats,
+)
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
 
 # Known acceptance: the top draft token is accepted less often deeper in the tree, and a
@@ -36,6 +40,17 @@ def test_chain_agrees_with_turbospec(a, k):
     assert est.expected_emitted(TreeShape(k, 1, k + 1)) == pytest.approx(
         (1 - a ** (k + 1)) / (1 - a)
     )
+
+
+def test_paths_read_from_host_tensors_are_int64_arrays():
+    num_children = torch.tensor([[2, 1, 0]], dtype=torch.int32)  # [batch, steps]
+    accepted_rank = torch.tensor([[1, -1, -1]], dtype=torch.int64)
+    arrays = AcceptedPathStats(num_children, accepted_rank).as_arrays()
+    for got, want in ((arrays.num_children, [[2, 1, 0]]), (arrays.accepted_rank, [[1, -1, -1]])):
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        assert got.tolist() == want
+    listed = AcceptedPathStats([[2, 1, 0]], [[1, -1, -1]]).as_arrays()
+    assert listed.num_children.dtype == np.int64 and listed.accepted_rank.tolist() == [[1, -1, -1]]
 
 
 def test_no_speculation_emits_one():

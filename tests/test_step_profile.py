@@ -56,6 +56,17 @@ def test_rows_are_priced_as_the_profile_prices_each_one():
     assert model.predict_matrix(mixed[:0]).shape == (0,)
 
 
+def test_a_profile_prices_each_shape_tuple_by_its_own_rows():
+    # The rows of the last tuple priced are kept: another tuple must not reuse them.
+    table = profile()
+    f = StepFeatures(3, 3, 900, 500)
+    one_by_one = {s: table.step_ms(f, s) for s in SHAPES}
+    for shapes in (SHAPES, SHAPES[::-1], SHAPES[1:], SHAPES, (SHAPES[2],)):
+        assert table.step_ms_many(f, shapes).tolist() == [one_by_one[s] for s in shapes]
+    with pytest.raises(KeyError, match="no step time for shape 5,1,6"):
+        table.step_ms_many(f, (*SHAPES, TreeShape(5, 1, 6)))
+
+
 def test_one_batch_is_priced_directly_as_its_feature_rows_are():
     model = ProfileStepTime(profile(padding=GraphPadding((1, 2, 4))))
     cost = OnlineCostModel(model, residual_decay=0.5)

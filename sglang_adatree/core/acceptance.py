@@ -111,10 +111,18 @@ class AcceptedPathStats:
     def as_arrays(self) -> AcceptedPathStats:
         """The same paths as NumPy arrays: a step's paths are read several times, and each
         read of a torch tensor converts it again."""
-        return AcceptedPathStats(
-            np.asarray(self.num_children, dtype=np.int64),
-            np.asarray(self.accepted_rank, dtype=np.int64),
-        )
+        return AcceptedPathStats(_host_array(self.num_children), _host_array(self.accepted_rank))
+
+
+def _host_array(values: Any) -> np.ndarray:
+    """``values`` (a host torch tensor or an array-like) as an int64 NumPy array. A tensor is
+    read through its own ``numpy()``: ``np.asarray`` of a tensor goes through several Python
+    frames, which cost tens of microseconds a call once a forward has left them out of the
+    caches."""
+    to_numpy = getattr(values, "numpy", None)
+    if to_numpy is not None and not isinstance(values, np.ndarray):
+        values = to_numpy()
+    return np.asarray(values, dtype=np.int64)
 
 
 def accepted_counts(

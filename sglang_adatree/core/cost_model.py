@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
@@ -193,13 +193,54 @@ class AnalyticStepTime:
 
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
         """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``."""
-        return self.design_matrix(x) @ self._coefficients
+        assert x.ndim == 2 and x.shape[1] == NUM_FEATURES, f"bad feature matrix {x.shape}"
+        c = COLUMN
+        fixed, per_request = self._shape_terms(
+            x[:, c["speculative"]], x[:, c["steps"]], x[:, c["topk"]], x[:, c["num_draft_tokens"]]
+        )
+        return (
+            fixed
+            + x[:, c["padded_batch_size"]] * per_request
+            + self.c_kv * x[:, c["sum_context_len"]]
+        )
+
+    def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[len(shapes)]`` step times in ms of one batch, equal to ``predict_matrix`` of its
+        feature rows, without building them: the policy prices every candidate each step, and
+        on a CPU a server's forward leaves each of the many small array operations that the rows
+        take to run from cold caches."""
+        box = self._last_terms
+        last = box[0]  # one read: another thread may price another tuple meanwhile
+        if last is None or last[0] is not shapes:
+            cols = shape_columns(shapes)  # [shapes, 3]
+            last = (shapes, *self._shape_terms(cols[:, 0] > 0, cols[:, 0], cols[:, 1], cols[:, 2]))
+            box[0] = last
+        _, fixed, per_request = last
+        return (
+            fixed + features.padded_batch_size * per_request + self.c_kv * features.sum_context_len
+        )
+
+    def _shape_terms(
+        self,
+        speculative: np.ndarray,  # [rows] 1 where the shape drafts, else 0
+        steps: np.ndarray,  # [rows]
+        topk: np.ndarray,  # [rows]
+        num_draft_tokens: np.ndarray,  # [rows]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The price's two shape terms, ``[rows]`` each: what a step costs whatever its batch,
+        and per padded request; the price is ``fixed + B' * per_request + c_kv * kv_tokens``,
+        ``design_matrix`` weighted by the coefficients, in the order both predictions use."""
+        fixed = self.c_fixed + self.c_spec * speculative + self.c_draft_pass * steps
+        per_request = (
+            self.c_bs + self.c_compute * num_draft_tokens + self.c_draft_token * (steps * topk)
+        )
+        return fixed, per_request
 
     @cached_property
-    def _coefficients(self) -> np.ndarray:
-        """``[7]`` the coefficients in ``design_matrix``'s order, built once: the policy
-        prices every step with them, and ``astuple`` costs more than the product."""
-        return np.array(astuple(self))
+    def _last_terms(self) -> list[tuple[Sequence[TreeShape], np.ndarray, np.ndarray] | None]:
+        """One slot: the last shape tuple ``predict_many`` priced, which a decision asks for
+        every step, with its ``_shape_terms``."""
+        return [None]
 
     @classmethod
     def fit(cls, x: np.ndarray, measured_ms: np.ndarray) -> AnalyticStepTime:

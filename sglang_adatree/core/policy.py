@@ -117,7 +117,9 @@ UNPRICED_SOURCES: tuple[DecisionSource, ...] = tuple(
 def teaches_cost_model(source: DecisionSource | str, measured_ms: float | None) -> bool:
     """Whether a finished step may teach a cost model: a source that prices its shape and a
     measured step time."""
-    return DecisionSource(source).teaches_cost_model and measured_ms is not None and measured_ms > 0
+    if not isinstance(source, DecisionSource):
+        source = DecisionSource(source)
+    return source.teaches_cost_model and measured_ms is not None and measured_ms > 0
 
 
 @dataclass(frozen=True)

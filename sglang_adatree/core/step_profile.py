@@ -71,6 +71,9 @@ class TableProfile:
         if not np.all(np.isfinite(self.ms)) or np.any(self.ms <= 0):
             raise ValueError(f"profile {self.name}: step times must be finite and positive")
         object.__setattr__(self, "_index", {s: i for i, s in enumerate(self.shapes)})
+        # The last shape tuple priced and its rows of the table: a decision prices the same
+        # candidates every step, and gathering their rows is a copy of the table.
+        object.__setattr__(self, "_last_rows", (None, self.ms))
 
     def missing(self, shapes: Sequence[TreeShape]) -> list[TreeShape]:
         """The shapes of ``shapes`` this profile has no step time for."""
@@ -82,16 +85,19 @@ class TableProfile:
 
     def step_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` step times of one batch; KeyError for a shape not profiled."""
-        index = self._index  # type: ignore[attr-defined]
-        rows = []
-        for shape in shapes:
-            i = index.get(shape)
-            if i is None:
-                raise KeyError(f"profile {self.name} has no step time for shape {shape}")
-            rows.append(i)
+        last, table = self._last_rows  # type: ignore[attr-defined]
+        if last is not shapes:
+            index = self._index  # type: ignore[attr-defined]
+            rows = []
+            for shape in shapes:
+                i = index.get(shape)
+                if i is None:
+                    raise KeyError(f"profile {self.name} has no step time for shape {shape}")
+                rows.append(i)
+            table = self.ms[rows]  # [shapes, batch_sizes, context_lens]
+            object.__setattr__(self, "_last_rows", (shapes, table))
         b = float(self.padding.padded(features.batch_size))
         mean = features.sum_context_len / features.batch_size
-        table = self.ms[rows]  # [shapes, batch_sizes, context_lens]
         j, wj = _bracket(self.context_lens, mean, extrapolate=False)
         by_batch = table[:, :, j] * (1.0 - wj) + table[:, :, j + 1] * wj if wj else table[:, :, j]
         if len(self.batch_sizes) == 1:
