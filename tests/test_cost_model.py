@@ -5,8 +5,12 @@ import pytest
 from synthetic import sample_steps
 
 from sglang_adatree.core.cost_model import (
+    DRIFT_PRIOR,
     MIN_STEP_MS,
+    PART_WALK,
+    PRIOR_STEPS,
     PROFILE_ERROR,
+    SPLIT_PRIOR,
     AnalyticStepTime,
     OnlineCostModel,
     ResidualCorrection,
@@ -285,6 +289,62 @@ def test_the_filter_estimates_a_steps_noise_from_its_surprises(noise):
         residual.update(shapes[i], ms, 100.0)
     assert residual.noise_var == pytest.approx(noise * noise, rel=0.2)
     assert residual.step_noise == pytest.approx(noise, rel=0.1)
+
+
+def _kalman_reference(steps, decay, profile_error):
+    """The filter's corrections after ``steps`` (shape, measured, predicted, lever), as the
+    textbook matrix filter computes them: a reference for the list arithmetic the filter runs
+    (the noise estimate and a profile's part widths taken from the filter under test)."""
+    residual = ResidualCorrection(decay, profile_error)
+    shapes = sorted({s for s, *_ in steps})
+    n = 3 + len(shapes)
+    x, p = np.zeros(n), np.zeros((n, n))
+    p[0, 0], p[1, 1], p[2, 2] = DRIFT_PRIOR, SPLIT_PRIOR, SPLIT_PRIOR
+    seen: list[TreeShape] = []
+    for shape, measured, predicted, lever in steps:
+        i = 3 + shapes.index(shape)
+        if shape not in seen:
+            seen.append(shape)
+            p[i, i] = (
+                1.0 / PRIOR_STEPS if profile_error is None else residual._profile_var(profile_error)
+            )
+        walk = np.full(n, PART_WALK)
+        walk[0] = residual.drift_walk
+        walk[[3 + shapes.index(s) for s in shapes if s not in seen]] = 0.0  # not yet a state
+        p += np.diag(walk)
+        h = np.zeros(n)
+        h[:3] = 1.0, lever, 1.0 if shape.speculative else 0.0
+        h[i] += 1.0
+        k = p @ h / (h @ p @ h + 1.0)
+        x = x + k * (math.log(measured / predicted) - h @ x)
+        p = p - np.outer(k, h @ p)
+        residual.update(shape, measured, predicted, lever)
+    return residual, x, shapes
+
+
+@pytest.mark.parametrize("profile_error", [None, 0.2])
+def test_the_filter_is_the_matrix_kalman_filter(profile_error):
+    # Random steps of four shapes, levers and all; few enough that a profile's parts are not
+    # yet settled to the noise (that reshaping is the filter's own, tested above).
+    rng = np.random.default_rng(7)
+    shapes = (NO_SPEC, TreeShape(1, 1, 2), TreeShape(3, 2, 6), TreeShape(4, 4, 12))
+    steps = []
+    for _ in range(15):
+        shape = shapes[rng.integers(len(shapes))]
+        lever = float(rng.uniform(0.1, 0.8)) if shape.speculative else 0.0
+        steps.append((shape, float(rng.uniform(20, 80)), float(rng.uniform(20, 80)), lever))
+    residual, x, order = _kalman_reference(steps, 0.05, profile_error)
+    assert residual.tilt == pytest.approx(x[1], rel=1e-9, abs=1e-12)
+    assert residual.offset == pytest.approx(x[2], rel=1e-9, abs=1e-12)
+    for j, shape in enumerate(order):
+        lever = 0.3 if shape.speculative else 0.0
+        spec = x[2] if shape.speculative else 0.0
+        expected = math.exp(x[0] + lever * x[1] + spec + x[3 + j])
+        assert residual.factor(shape, lever) == pytest.approx(expected, rel=1e-9)
+    levers = np.array([0.3 if s.speculative else 0.0 for s in order])
+    assert residual.factors(order, levers) == pytest.approx(
+        [residual.factor(s, lv) for s, lv in zip(order, levers.tolist(), strict=True)], rel=1e-12
+    )
 
 
 def test_replay_is_observing_in_order():

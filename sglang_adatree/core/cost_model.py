@@ -268,7 +268,13 @@ def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 class ResidualCorrection:
     """A Kalman filter over ``log(measured / predicted)``: the drift common to every shape, the
-    split (the tilt and the offset) and one part per shape; see the module docstring."""
+    split (the tilt and the offset) and one part per shape; see the module docstring.
+
+    Its state is a few dozen numbers, kept in plain Python lists. In a CPU server the filter
+    runs between two forwards, which sweep the caches. The interpreter's own loop stays warm
+    there, since it runs between every two of the forward's operations, but NumPy's machinery
+    does not. An update over lists takes a third of the same update over arrays there, though
+    more when warm."""
 
     def __init__(self, decay: float, profile_error: float | None = None) -> None:
         if not 0.0 < decay <= 1.0:
@@ -287,28 +293,31 @@ class ResidualCorrection:
         # The walk whose steady gain, for one shape running, is ``gain``.
         self.drift_walk = gain * gain / (1.0 - gain)
         # [3 + shapes] the drift, the tilt, the offset, then each shape's part
-        self._x = np.zeros(_COMMON)
-        # [3 + shapes, 3 + shapes] in noise units
-        self._cov = np.diag([DRIFT_PRIOR, SPLIT_PRIOR, SPLIT_PRIOR])
+        self._x = [0.0] * _COMMON
+        # [3 + shapes][3 + shapes] in noise units, a list of rows
+        self._cov = [
+            [DRIFT_PRIOR, 0.0, 0.0],
+            [0.0, SPLIT_PRIOR, 0.0],
+            [0.0, 0.0, SPLIT_PRIOR],
+        ]
         self._position: dict[TreeShape, int] = {}  # a shape's index in ``_x``
         self._measured: dict[TreeShape, int] = {}
-        # The factors of the last shape tuple asked for, kept up to date: the policy asks for
-        # the same candidate tuple every step.
+        # The factors of the last shape tuple and levers asked for, kept until an update: the
+        # policy asks for the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
-        self._levers_given: np.ndarray | None = None  # the levers of the cached factors
-        self._cached_common = np.zeros((0, _COMMON))  # [shapes, 3] (1, lever, speculative)
-        self._cached_at = np.zeros(0, dtype=np.int64)  # [shapes] positions
+        self._levers_given: np.ndarray | None = None  # None: the kept factors are stale
+        self._cached_spec: list[float] = []  # [shapes] 1.0 for a speculative shape
+        self._cached_at: list[int] = []  # [shapes] positions
         self._cached_factors = np.ones(0)  # [shapes] the corrections
 
     def _at(self, shape: TreeShape) -> int:
         i = self._position.get(shape)
         if i is None:
             n = len(self._x)
-            self._x = np.append(self._x, 0.0)
-            cov = np.zeros((n + 1, n + 1))
-            cov[:n, :n] = self._cov
-            cov[n, n] = 1.0 / PRIOR_STEPS
-            self._cov = cov
+            self._x.append(0.0)
+            for row in self._cov:
+                row.append(0.0)
+            self._cov.append([0.0] * n + [1.0 / PRIOR_STEPS])
             i = self._position[shape] = n
         return i
 
@@ -326,16 +335,22 @@ class ResidualCorrection:
             # The profile's view of the shape, worth as many of its steps as the noise is
             # larger than the profile's error. Its covariances are still 0: a shape's part
             # moves only once the shape is measured.
-            cov[i, i] = self._profile_var(error)
+            cov[i][i] = self._profile_var(error)
         # Time passes: the drift, the split and every part walk.
-        cov[0, 0] += self.drift_walk
-        cov.flat[n + 1 :: n + 1] += PART_WALK
+        cov[0][0] += self.drift_walk
+        for k in range(1, n):
+            cov[k][k] += PART_WALK
         # The step measures drift + lever * tilt + [speculative] * offset + part i, and its own
         # noise (variance 1).
-        common = np.array([1.0, lever, 1.0 if shape.speculative else 0.0])  # [3]
-        row = common @ cov[:_COMMON] + cov[i]  # [n] covariance of every state with that sum
-        predicted_var = common @ row[:_COMMON] + row[i] + 1.0  # of the surprise, noise units
-        surprise = ratio - common @ x[:_COMMON] - x[i]
+        spec = 1.0 if shape.speculative else 0.0
+        drift, tilt, offset, part = cov[0], cov[1], cov[2], cov[i]
+        # [n] covariance of every state with that sum
+        row = [
+            d + lever * t + spec * o + p
+            for d, t, o, p in zip(drift, tilt, offset, part, strict=True)
+        ]
+        predicted_var = row[0] + lever * row[1] + spec * row[2] + row[i] + 1.0  # noise units
+        surprise = ratio - (x[0] + lever * x[1] + spec * x[2]) - x[i]
         if predicted_var < NOISE_WELL_KNOWN:
             # The surprise's variance is the noise's times ``predicted_var``.
             self._noise_steps += 1
@@ -343,12 +358,12 @@ class ResidualCorrection:
             self.noise_var += weight * (surprise * surprise / predicted_var - self.noise_var)
             if self._noise_steps == NOISE_SETTLED and error is not None:
                 self._settle_profile_parts(error)
-        gain = row / predicted_var  # [n]
-        x += gain * surprise
-        cov -= np.outer(gain, row)
+        for k in range(n):
+            gain = row[k] / predicted_var
+            x[k] += gain * surprise
+            cov[k] = [c - gain * r for c, r in zip(cov[k], row, strict=True)]
         self._measured[shape] = self._measured.get(shape, 0) + 1
-        if self._cached_shapes is not None:
-            np.exp(self._cached_common @ x[:_COMMON] + x[self._cached_at], out=self._cached_factors)
+        self._levers_given = None  # the kept factors are stale: ``factors`` recomputes them
 
     def _profile_var(self, error: float) -> float:
         """A profile-priced part's variance, in noise units, before its shape is measured."""
@@ -361,10 +376,11 @@ class ResidualCorrection:
         correlations with the other states (a congruence, so the covariance stays positive)."""
         cov, target = self._cov, self._profile_var(error)
         for i in self._position.values():
-            if cov[i, i] > target:
-                f = math.sqrt(target / cov[i, i])
-                cov[i, :] *= f
-                cov[:, i] *= f
+            if cov[i][i] > target:
+                f = math.sqrt(target / cov[i][i])
+                cov[i] = [c * f for c in cov[i]]
+                for row in cov:
+                    row[i] *= f
 
     @property
     def step_noise(self) -> float | None:
@@ -378,13 +394,13 @@ class ResidualCorrection:
     def tilt(self) -> float:
         """How much dearer (above 0) or cheaper each unit of a shape's lever is on this machine
         than the step-time model says, in log units."""
-        return float(self._x[1])
+        return self._x[1]
 
     @property
     def offset(self) -> float:
         """How much dearer (above 0) or cheaper every speculative shape is against no
         speculation on this machine than the step-time model says, in log units."""
-        return float(self._x[2])
+        return self._x[2]
 
     def factor(self, shape: TreeShape, lever: float = 0.0) -> float:
         i = self._position.get(shape)
@@ -397,15 +413,19 @@ class ResidualCorrection:
         ``update``. Pass the same arrays while nothing changed: the result is kept for them."""
         if shapes is not self._cached_shapes or levers is not self._levers_given:
             if shapes is not self._cached_shapes:
-                self._cached_at = np.array([self._at(s) for s in shapes], dtype=np.int64)
-                self._cached_common = np.array(
-                    [(1.0, 0.0, 1.0 if s.speculative else 0.0) for s in shapes]
-                ).reshape(len(shapes), _COMMON)
+                self._cached_at = [self._at(s) for s in shapes]
+                self._cached_spec = [1.0 if s.speculative else 0.0 for s in shapes]
             self._cached_shapes = shapes
             self._levers_given = levers
-            self._cached_common[:, 1] = levers
-            self._cached_factors = np.exp(
-                self._cached_common @ self._x[:_COMMON] + self._x[self._cached_at]
+            x = self._x
+            drift, tilt, offset = x[0], x[1], x[2]
+            self._cached_factors = np.array(
+                [
+                    math.exp(drift + lever * tilt + spec * offset + x[at])
+                    for lever, spec, at in zip(
+                        levers.tolist(), self._cached_spec, self._cached_at, strict=True
+                    )
+                ]
             )
         return self._cached_factors
 
