@@ -273,8 +273,8 @@ class ResidualCorrection:
     Its state is a few dozen numbers, kept in plain Python lists. In a CPU server the filter
     runs between two forwards, which sweep the caches. The interpreter's own loop stays warm
     there, since it runs between every two of the forward's operations, but NumPy's machinery
-    does not. An update over lists takes a third of the same update over arrays there, though
-    more when warm."""
+    does not. An update over lists takes less time there than the same update over arrays,
+    though more when warm."""
 
     def __init__(self, decay: float, profile_error: float | None = None) -> None:
         if not 0.0 < decay <= 1.0:
