@@ -73,7 +73,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -209,12 +208,14 @@ class AnalyticStepTime:
         feature rows, without building them. The policy prices every candidate each step, and
         in a CPU server each array operation runs in caches the forward has just swept (tens of
         microseconds each): this takes three operations where the rows take about thirty."""
-        box = self._last_terms
-        last = box[0]  # one read: another thread may price another tuple meanwhile
+        # The last shape tuple priced, which a decision asks for every step, with its terms;
+        # one read and one write, so a thread pricing another tuple meanwhile cannot mix them.
+        last = getattr(self, "_last_terms", None)
         if last is None or last[0] is not shapes:
             cols = shape_columns(shapes)  # [shapes, 3]
             last = (shapes, *self._shape_terms(cols[:, 0] > 0, cols[:, 0], cols[:, 1], cols[:, 2]))
-            box[0] = last
+            # Beside the fields, not one of them: equality, hashing and ``to_dict`` ignore it.
+            object.__setattr__(self, "_last_terms", last)
         _, fixed, per_request = last
         return (
             fixed + features.padded_batch_size * per_request + self.c_kv * features.sum_context_len
@@ -235,12 +236,6 @@ class AnalyticStepTime:
             self.c_bs + self.c_compute * num_draft_tokens + self.c_draft_token * (steps * topk)
         )
         return fixed, per_request
-
-    @cached_property
-    def _last_terms(self) -> list[tuple[Sequence[TreeShape], np.ndarray, np.ndarray] | None]:
-        """One slot: the last shape tuple ``predict_many`` priced, which a decision asks for
-        every step, with its ``_shape_terms``."""
-        return [None]
 
     @classmethod
     def fit(cls, x: np.ndarray, measured_ms: np.ndarray) -> AnalyticStepTime:
