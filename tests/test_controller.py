@@ -190,7 +190,7 @@ def test_a_draft_that_skipped_its_extend_catches_up_before_speculating():
     assert controller.policy.step == 5  # the catch-ups were not policy decisions
     # Catch-ups cost no speculation plus the draft's extend: not taught as no speculation's
     # cost, nor counted as measurements of it.
-    assert controller.policy.measured.tolist() == [2, 2, 1]
+    assert controller.policy.measured == [2, 2, 1]
     assert len(controller.measured) == 5
     assert [r.learned for r in sink.reports] == [True, False, True, True, True, False, True]
 

@@ -141,6 +141,10 @@ class CostModel(Protocol):
         self, features: StepFeatures, shapes: Sequence[TreeShape]
     ) -> np.ndarray: ...  # [len(shapes)] ms
 
+    def predict_ms_list(
+        self, features: StepFeatures, shapes: Sequence[TreeShape]
+    ) -> list[float]: ...  # [len(shapes)] ms, as the policy asks every step
+
     def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None: ...
 
 
@@ -205,21 +209,26 @@ class AnalyticStepTime:
 
     def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` step times in ms of one batch, equal to ``predict_matrix`` of its
-        feature rows, without building them. The policy prices every candidate each step, and
-        in a CPU server each array operation runs in caches the forward has just swept (tens of
-        microseconds each): this takes three operations where the rows take about thirty."""
+        feature rows, without building them."""
+        return np.array(self.predict_list(features, shapes))
+
+    def predict_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``predict_many`` as a list. The policy prices every candidate each step, and in a
+        CPU server each array operation runs in caches the forward has just swept (tens of
+        microseconds each), while the interpreter's own loop runs warm: this takes none."""
         # The last shape tuple priced, which a decision asks for every step, with its terms;
         # one read and one write, so a thread pricing another tuple meanwhile cannot mix them.
         last = getattr(self, "_last_terms", None)
         if last is None or last[0] is not shapes:
             cols = shape_columns(shapes)  # [shapes, 3]
-            last = (shapes, *self._shape_terms(cols[:, 0] > 0, cols[:, 0], cols[:, 1], cols[:, 2]))
+            terms = self._shape_terms(cols[:, 0] > 0, cols[:, 0], cols[:, 1], cols[:, 2])
+            last = (shapes, terms[0].tolist(), terms[1].tolist())
             # Beside the fields, not one of them: equality, hashing and ``to_dict`` ignore it.
             object.__setattr__(self, "_last_terms", last)
         _, fixed, per_request = last
-        return (
-            fixed + features.padded_batch_size * per_request + self.c_kv * features.sum_context_len
-        )
+        padded = features.padded_batch_size
+        kv = self.c_kv * features.sum_context_len
+        return [f + padded * p + kv for f, p in zip(fixed, per_request, strict=True)]
 
     def _shape_terms(
         self,
@@ -300,10 +309,10 @@ class ResidualCorrection:
         # The factors of the last shape tuple and levers asked for, kept until an update: the
         # policy asks for the same candidate tuple every step.
         self._cached_shapes: Sequence[TreeShape] | None = None
-        self._levers_given: np.ndarray | None = None  # None: the kept factors are stale
+        self._levers_given: Sequence[float] | None = None  # None: the kept factors are stale
         self._cached_spec: list[float] = []  # [shapes] 1.0 for a speculative shape
         self._cached_at: list[int] = []  # [shapes] positions
-        self._cached_factors = np.ones(0)  # [shapes] the corrections
+        self._cached_factors: list[float] = []  # [shapes] the corrections
 
     def _at(self, shape: TreeShape) -> int:
         i = self._position.get(shape)
@@ -403,9 +412,9 @@ class ResidualCorrection:
         spec = x[2] if shape.speculative else 0.0
         return math.exp(x[0] + lever * x[1] + spec + (x[i] if i is not None else 0.0))
 
-    def factors(self, shapes: Sequence[TreeShape], levers: np.ndarray) -> np.ndarray:
+    def factors(self, shapes: Sequence[TreeShape], levers: Sequence[float]) -> list[float]:
         """``[len(shapes)]`` multiplicative corrections; ``levers`` ``[len(shapes)]`` as in
-        ``update``. Pass the same arrays while nothing changed: the result is kept for them."""
+        ``update``. Pass the same objects while nothing changed: the result is kept for them."""
         if shapes is not self._cached_shapes or levers is not self._levers_given:
             if shapes is not self._cached_shapes:
                 self._cached_at = [self._at(s) for s in shapes]
@@ -414,14 +423,10 @@ class ResidualCorrection:
             self._levers_given = levers
             x = self._x
             drift, tilt, offset = x[0], x[1], x[2]
-            self._cached_factors = np.array(
-                [
-                    math.exp(drift + lever * tilt + spec * offset + x[at])
-                    for lever, spec, at in zip(
-                        levers.tolist(), self._cached_spec, self._cached_at, strict=True
-                    )
-                ]
-            )
+            self._cached_factors = [
+                math.exp(drift + lever * tilt + spec * offset + x[at])
+                for lever, spec, at in zip(levers, self._cached_spec, self._cached_at, strict=True)
+            ]
         return self._cached_factors
 
     def measured(self, shape: TreeShape) -> int:
@@ -454,13 +459,14 @@ class OnlineCostModel:
         self.batch_floor = batch_floor
         # The last batch priced for a shape tuple, with its row: a step is priced for every
         # candidate when it is decided and for its own shape when it is observed.
-        self._last: tuple[StepFeatures, Sequence[TreeShape], np.ndarray] | None = None
+        self._last: tuple[StepFeatures, Sequence[TreeShape], list[float]] | None = None
         self._last_index: dict[TreeShape, int] = {}
         # ``[len(shapes)]`` the levers of the last row (``ResidualCorrection.update``).
-        self._last_levers = np.zeros(0)
-        # A step-time model that prices one batch's shapes directly (``predict_many``, as
-        # ``step_profile.ProfileStepTime`` does) is asked so, without feature rows.
-        self._predict_many = getattr(step_time, "predict_many", None)
+        self._last_levers: list[float] = []
+        # A step-time model that prices one batch's shapes directly (``predict_list``, as
+        # ``step_profile.ProfileStepTime`` and ``AnalyticStepTime`` do) is asked so, without
+        # feature rows.
+        self._predict_list = getattr(step_time, "predict_list", None)
 
     def at_floor(self, features: StepFeatures) -> StepFeatures:
         """``features``, or a batch of the floor's size with the same mean and longest context
@@ -485,8 +491,12 @@ class OnlineCostModel:
         )
 
     def raw_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` uncorrected predictions; the row is kept for the step's observation,
-        so read it, do not write to it."""
+        """``[len(shapes)]`` uncorrected predictions."""
+        return np.array(self._raw_list(features, shapes))
+
+    def _raw_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``raw_ms_many`` as a list, kept with its levers for the step's observation: read
+        it, do not write to it."""
         features = self.at_floor(features)
         last = self._last
         if last is not None and last[1] is shapes and last[0] == features:
@@ -496,7 +506,7 @@ class OnlineCostModel:
             self._last_index = {s: i for i, s in enumerate(shapes)}
         plain = self._last_index.get(NO_SPEC)
         plain_ms = row[plain] if plain is not None else self._raw_row(features, (NO_SPEC,))[0]
-        self._last_levers = np.log(row / plain_ms)
+        self._last_levers = [math.log(ms / plain_ms) for ms in row]
         self._last = (features, shapes, row)
         return row
 
@@ -510,22 +520,29 @@ class OnlineCostModel:
         raw = self._raw_one(features, shape)
         return raw, math.log(raw / self._raw_one(features, NO_SPEC))
 
-    def _raw_row(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
+    def _raw_row(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``[len(shapes)]`` uncorrected predictions, as a list: the policy prices its
+        candidates so every step, in caches a CPU server's forward has just swept, where the
+        interpreter's loop runs warmer than an array operation (``ResidualCorrection``)."""
         table = self.table
         if table is not None and (shapes is table.shapes or shapes == table.shapes):
             row = table.lookup(features)
             if row is not None:
-                return row
-        if self._predict_many is not None:
-            return np.maximum(self._predict_many(features, shapes), MIN_STEP_MS)
-        return np.maximum(
-            self.step_time.predict_matrix(feature_matrix(features, shapes)), MIN_STEP_MS
-        )
+                return row.tolist()
+        if self._predict_list is not None:
+            return [max(ms, MIN_STEP_MS) for ms in self._predict_list(features, shapes)]
+        x = feature_matrix(features, shapes)
+        return np.maximum(self.step_time.predict_matrix(x), MIN_STEP_MS).tolist()
 
     def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` corrected step times in ms."""
-        row = self.raw_ms_many(features, shapes)
-        return row * self.residual.factors(shapes, self._last_levers)
+        return np.array(self.predict_ms_list(features, shapes))
+
+    def predict_ms_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``predict_ms_many`` as a list, as the policy asks every step."""
+        row = self._raw_list(features, shapes)
+        factors = self.residual.factors(shapes, self._last_levers)
+        return [ms * f for ms, f in zip(row, factors, strict=True)]
 
     def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
         raw, lever = self._raw_and_lever(features, shape)

@@ -178,19 +178,20 @@ class Policy:
         self.pins: tuple[Pin, ...] = ()
         self.step = 0
         self.current: TreeShape | None = None
-        self.measured = np.zeros(len(self.candidates), dtype=np.int64)  # steps observed
+        # A decision's per-candidate values are plain lists, not arrays: in a CPU server it
+        # runs in caches the forward has just swept, where the interpreter's loop runs warm
+        # and each array operation costs tens of microseconds (``core.cost_model``).
+        self.measured = [0] * len(self.candidates)  # steps observed
         # Dividing speculative goodput by (1 + margin) makes no speculation win unless beaten.
-        self._margin = np.array(
-            [1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates]
-        )
+        self._margin = [
+            1.0 / (1.0 + config.no_spec_margin) if s.speculative else 1.0 for s in self.candidates
+        ]
         # A new batch's speculative goodput counts 1 / (1 - max loss): speculation is run
         # unless predicted to lose more than that.
-        self._probe = np.array(
-            [
-                1.0 / (1.0 - config.new_batch_max_loss) if s.speculative else 1.0
-                for s in self.candidates
-            ]
-        )
+        self._probe = [
+            1.0 / (1.0 - config.new_batch_max_loss) if s.speculative else 1.0
+            for s in self.candidates
+        ]
         self._warmup_steps = 0  # steps the warm-up has run (pinned steps are not among them)
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
@@ -198,12 +199,12 @@ class Policy:
         self._explorations = 0
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         # Per candidate: the most a step can emit, and whether it speculates.
-        self._max_emitted = np.array([s.steps + 1.0 for s in self.candidates])
+        self._max_emitted = [s.steps + 1.0 for s in self.candidates]
         # [candidates, candidates]: whether the column's shape dominates the row's.
         self._dominated_by = np.array(
             [[a.dominates(b) for a in self.candidates] for b in self.candidates], dtype=bool
         )
-        self._ordered: tuple[np.ndarray, np.ndarray] | None = None  # (estimates, ordered)
+        self._ordered: tuple[np.ndarray, list[float]] | None = None  # (estimates, ordered)
         self._last_batch: frozenset[str] = frozenset()  # the requests of the step before
         self._new_batch_left = 0  # steps still decided as a new batch's (``new_batch_steps``)
 
@@ -231,7 +232,7 @@ class Policy:
         new_batch = bool(request_ids) and self._new_batch_left > 0
         self._new_batch_left = max(self._new_batch_left - 1, 0)
         self._last_batch = frozenset(request_ids)
-        times, emitted = self.predictions(features, request_ids)
+        times, emitted = self._predicted(features, request_ids)
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
@@ -239,15 +240,16 @@ class Policy:
         if warming is not None:
             return self._decision(warming, DecisionSource.WARMUP, times, emitted)
         # Goodput up to the batch size, which is common to all candidates.
-        score = emitted * (self._probe if new_batch else self._margin) / times  # [candidates]
-        best = int(np.argmax(score))
+        weights = self._probe if new_batch else self._margin
+        score = [e * w / t for e, w, t in zip(emitted, weights, times, strict=True)]
+        best = score.index(max(score))  # the first of equals
         current = None
         if self.current is not None and (self.current.speculative or not new_batch):
             current = self._index.get(self.current)
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
         if self._explores(step - self._warmup_end):
-            explored = self._explored(emitted / times, best)
+            explored = self._explored(np.divide(emitted, times), best)
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
@@ -258,7 +260,14 @@ class Policy:
     ) -> tuple[np.ndarray, np.ndarray]:
         """What ``decide`` reads for this batch: ``[candidates]`` predicted step times (ms) and
         ``[candidates]`` expected emitted tokens per request, in candidate order."""
-        times = self.cost_model.predict_ms_many(features, self.candidates)
+        times, emitted = self._predicted(features, request_ids)
+        return np.array(times), np.array(emitted)
+
+    def _predicted(
+        self, features: StepFeatures, request_ids: Sequence[str]
+    ) -> tuple[list[float], list[float]]:
+        """``predictions`` as lists, as ``decide`` reads them."""
+        times = self.cost_model.predict_ms_list(features, self.candidates)
         return times, self._batch_emitted(request_ids)
 
     def observe(
@@ -286,15 +295,18 @@ class Policy:
         if i is not None:
             self.measured[i] += 1
 
-    def _batch_emitted(self, request_ids: Sequence[str]) -> np.ndarray:
+    def _batch_emitted(self, request_ids: Sequence[str]) -> list[float]:
         """``[candidates]`` expected emitted tokens per request of this batch."""
         emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
         factor = self.requests.batch_factor(request_ids)
         if factor == 1.0:
             return emitted
-        return np.clip(1.0 + factor * (emitted - 1.0), 1.0, self._max_emitted)
+        return [
+            min(max(1.0 + factor * (e - 1.0), 1.0), most)
+            for e, most in zip(emitted, self._max_emitted, strict=True)
+        ]
 
-    def _in_order(self, emitted: np.ndarray) -> np.ndarray:
+    def _in_order(self, emitted: np.ndarray) -> list[float]:
         """``emitted`` ``[candidates]`` with each shape capped at the estimate of every shape
         that dominates it (``TreeShape.dominates``).
 
@@ -315,8 +327,7 @@ class Policy:
         if ordered is not None and ordered[0] is emitted:
             return ordered[1]
         ceiling = np.where(self._dominated_by, emitted[None, :], np.inf).min(axis=1)
-        capped = np.minimum(emitted, ceiling)  # [candidates]
-        capped.flags.writeable = False
+        capped = np.minimum(emitted, ceiling).tolist()  # [candidates]
         self._ordered = (emitted, capped)
         return capped
 
@@ -352,24 +363,18 @@ class Policy:
             return self.candidates[chosen]
         if self._explorations % 2:
             return self.candidates[int(np.argmax(np.where(eligible, goodput, -np.inf)))]
-        counts = np.where(eligible, self.measured, np.iinfo(np.int64).max)
+        counts = np.where(eligible, np.array(self.measured), np.iinfo(np.int64).max)
         return self.candidates[int(np.argmin(counts))]
 
     def _decision(
-        self, shape: TreeShape, source: DecisionSource, times: np.ndarray, emitted: np.ndarray
+        self, shape: TreeShape, source: DecisionSource, times: list[float], emitted: list[float]
     ) -> Decision:
         i = self._index[shape]
-        goodput = emitted / times  # [candidates]
-        goodput[i] = -np.inf
-        j = int(np.argmax(goodput))
+        goodput = [e / t for e, t in zip(emitted, times, strict=True)]  # [candidates]
+        goodput[i] = -math.inf
+        j = goodput.index(max(goodput))
         if j == i:  # a single candidate
-            return Decision(shape, source, float(times[i]), float(emitted[i]))
+            return Decision(shape, source, times[i], emitted[i])
         return Decision(
-            shape,
-            source,
-            float(times[i]),
-            float(emitted[i]),
-            self.candidates[j],
-            float(times[j]),
-            float(emitted[j]),
+            shape, source, times[i], emitted[i], self.candidates[j], times[j], emitted[j]
         )

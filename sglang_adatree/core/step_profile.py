@@ -71,9 +71,9 @@ class TableProfile:
         if not np.all(np.isfinite(self.ms)) or np.any(self.ms <= 0):
             raise ValueError(f"profile {self.name}: step times must be finite and positive")
         object.__setattr__(self, "_index", {s: i for i, s in enumerate(self.shapes)})
-        # The last shape tuple priced and its rows of the table: a decision prices the same
-        # candidates every step, and gathering their rows is a copy of the table.
-        object.__setattr__(self, "_last_rows", (None, self.ms))
+        # The last shape tuple priced and its rows of the table, as lists: a decision prices
+        # the same candidates every step.
+        object.__setattr__(self, "_last_rows", (None, []))
 
     def missing(self, shapes: Sequence[TreeShape]) -> list[TreeShape]:
         """The shapes of ``shapes`` this profile has no step time for."""
@@ -81,29 +81,38 @@ class TableProfile:
         return [s for s in shapes if s not in index]
 
     def step_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        return float(self.step_ms_many(features, (shape,))[0])
+        return self.step_ms_list(features, (shape,))[0]
 
     def step_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` step times of one batch; KeyError for a shape not profiled."""
-        last, table = self._last_rows  # type: ignore[attr-defined]
+        return np.array(self.step_ms_list(features, shapes))
+
+    def step_ms_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``step_ms_many`` as a list. A server prices its candidates so at every step, in
+        caches the forward has just swept, where each array operation costs tens of
+        microseconds and the interpreter's own loop runs warm (``core.cost_model``)."""
+        last, rows = self._last_rows  # type: ignore[attr-defined]
         if last is not shapes:
             index = self._index  # type: ignore[attr-defined]
-            rows = []
+            at = []
             for shape in shapes:
                 i = index.get(shape)
                 if i is None:
                     raise KeyError(f"profile {self.name} has no step time for shape {shape}")
-                rows.append(i)
-            table = self.ms[rows]  # [shapes, batch_sizes, context_lens]
-            object.__setattr__(self, "_last_rows", (shapes, table))
+                at.append(i)
+            rows = self.ms[at].tolist()  # [shapes][batch_sizes][context_lens]
+            object.__setattr__(self, "_last_rows", (shapes, rows))
         b = float(self.padding.padded(features.batch_size))
         mean = features.sum_context_len / features.batch_size
         j, wj = _bracket(self.context_lens, mean, extrapolate=False)
-        by_batch = table[:, :, j] * (1.0 - wj) + table[:, :, j + 1] * wj if wj else table[:, :, j]
         if len(self.batch_sizes) == 1:
-            return by_batch[:, 0]  # [shapes]
+            return [_at_context(row[0], j, wj) for row in rows]
         k, wk = _bracket(self.batch_sizes, b, extrapolate=True)
-        return by_batch[:, k] + wk * (by_batch[:, k + 1] - by_batch[:, k])  # [shapes]
+        out = []
+        for row in rows:
+            lo = _at_context(row[k], j, wj)
+            out.append(lo + wk * (_at_context(row[k + 1], j, wj) - lo))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,6 +158,11 @@ class TableProfile:
         )  # fmt: skip
 
 
+def _at_context(times: list[float], j: int, wj: float) -> float:
+    """``times`` ``[context_lens]`` interpolated at grid index ``j`` and weight ``wj``."""
+    return times[j] * (1.0 - wj) + times[j + 1] * wj if wj else times[j]
+
+
 def _bracket(axis: Sequence[int], value: float, extrapolate: bool) -> tuple[int, float]:
     """Lower grid index and interpolation weight; clamped at the ends unless ``extrapolate``
     (then the weight runs past 1 on the last segment, and stays 0 below the first point)."""
@@ -173,8 +187,12 @@ class ProfileStepTime:
     def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` step times in ms of one batch, as ``predict_matrix`` prices its
         feature rows, without building them: the policy prices every candidate each step."""
+        return np.array(self.predict_list(features, shapes))
+
+    def predict_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        """``predict_many`` as a list (``TableProfile.step_ms_list``)."""
         f = features
-        return self.profile.step_ms_many(
+        return self.profile.step_ms_list(
             StepFeatures(f.batch_size, f.batch_size, f.sum_context_len, f.max_context_len), shapes
         )
 

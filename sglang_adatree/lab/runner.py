@@ -106,7 +106,10 @@ class _TruthStepTime:
         self.machine = machine
 
     def predict_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        return np.array([self.machine.true_ms(features, s) for s in shapes])
+        return np.array(self.predict_ms_list(features, shapes))
+
+    def predict_ms_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
+        return [self.machine.true_ms(features, s) for s in shapes]
 
     def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
         return self.machine.true_ms(features, shape)
