@@ -362,10 +362,17 @@ class ResidualCorrection:
             self.noise_var += weight * (surprise * surprise / predicted_var - self.noise_var)
             if self._noise_steps == NOISE_SETTLED and error is not None:
                 self._settle_profile_parts(error)
-        for k in range(n):
+        # A state uncorrelated with the sum (a shape never measured, the tilt while only no
+        # speculation runs) has a gain of 0 and leaves every covariance as it was: only the
+        # others are updated, which in a server that runs few of its candidates is a few of
+        # the matrix's rows and columns.
+        live = [k for k in range(n) if row[k] != 0.0]
+        for k in live:
             gain = row[k] / predicted_var
             x[k] += gain * surprise
-            cov[k] = [c - gain * r for c, r in zip(cov[k], row, strict=True)]
+            cov_k = cov[k]
+            for m in live:
+                cov_k[m] -= gain * row[m]
         self._measured[shape] = self._measured.get(shape, 0) + 1
         self._levers_given = None  # the kept factors are stale: ``factors`` recomputes them
 
