@@ -524,6 +524,12 @@ class OnlineCostModel:
 
     def _raw_and_lever(self, features: StepFeatures, shape: TreeShape) -> tuple[float, float]:
         """``shape``'s uncorrected time for this batch, and its lever."""
+        last = self._last
+        if last is not None and (last[0] is features or last[0] == self.at_floor(features)):
+            # The step's own shape, observed after it was priced with its candidates.
+            i = self._last_index.get(shape)
+            if i is not None and NO_SPEC in self._last_index:
+                return last[2][i], self._last_levers[i]
         raw = self._raw_one(features, shape)
         return raw, math.log(raw / self._raw_one(features, NO_SPEC))
 
