@@ -10,6 +10,7 @@ from sglang_adatree.core.acceptance import (
     PRIOR_RANK_RATIO,
     AcceptanceEstimator,
     AcceptedPathStats,
+    accepted_counts,
 )
 from sglang_adatree.core.shapes import DEFAULT_CANDIDATES, NO_SPEC, TreeShape
 
@@ -42,15 +43,33 @@ def test_chain_agrees_with_turbospec(a, k):
     )
 
 
-def test_paths_read_from_host_tensors_are_int64_arrays():
-    num_children = torch.tensor([[2, 1, 0]], dtype=torch.int32)  # [batch, steps]
-    accepted_rank = torch.tensor([[1, -1, -1]], dtype=torch.int64)
-    arrays = AcceptedPathStats(num_children, accepted_rank).as_arrays()
-    for got, want in ((arrays.num_children, [[2, 1, 0]]), (arrays.accepted_rank, [[1, -1, -1]])):
-        assert isinstance(got, np.ndarray) and got.dtype == np.int64
-        assert got.tolist() == want
-    listed = AcceptedPathStats([[2, 1, 0]], [[1, -1, -1]]).as_arrays()
-    assert listed.num_children.dtype == np.int64 and listed.accepted_rank.tolist() == [[1, -1, -1]]
+def test_paths_read_from_host_tensors_arrays_and_lists_are_lists_of_ints():
+    want_children, want_ranks = [[2, 1, 0], [1, 0, 0]], [[1, -1, -1], [-1, -1, -1]]
+    for kind in (torch.int32, torch.int64, np.int32, np.int64, list):
+        if kind is list:
+            stats = AcceptedPathStats(want_children, want_ranks)
+        elif isinstance(kind, torch.dtype):
+            stats = AcceptedPathStats(
+                torch.tensor(want_children, dtype=kind), torch.tensor(want_ranks, dtype=kind)
+            )
+        else:
+            stats = AcceptedPathStats(
+                np.array(want_children, dtype=kind), np.array(want_ranks, dtype=kind)
+            )
+        listed = stats.as_lists()
+        assert listed.num_children == want_children and listed.accepted_rank == want_ranks
+        for row in (*listed.num_children, *listed.accepted_rank):
+            assert all(type(v) is int for v in row)
+
+
+def test_accepted_counts_are_the_batch_totals():
+    # Two requests of a 3-deep tree with topk 2: the first accepted rank 1 then rank 0, the
+    # second rejected both children of the root.
+    stats = AcceptedPathStats([[2, 2, 0], [2, 0, 0]], [[1, 0, -1], [-1, -1, -1]])
+    offered, by_depth, by_rank = accepted_counts(stats, topk=2)
+    assert offered == (4, 2, 0) and by_depth == (1, 1, 0) and by_rank == (1, 1)
+    arrays = AcceptedPathStats(*(np.array(a) for a in (stats.num_children, stats.accepted_rank)))
+    assert accepted_counts(arrays, topk=2) == (offered, by_depth, by_rank)
 
 
 def test_no_speculation_emits_one():

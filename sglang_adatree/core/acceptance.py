@@ -102,39 +102,47 @@ class AcceptedPathStats:
 
     So depth d "offered" ``num_children[b, d]`` tokens and the target took rank
     ``accepted_rank[b, d]``, or rejected them all when that is -1 and ``num_children > 0``.
-    Both are integer arrays on the host (torch tensors or NumPy arrays).
+    Both are integers on the host: torch tensors, NumPy arrays or nested lists.
     """
 
-    num_children: Any  # [batch, steps] int64
-    accepted_rank: Any  # [batch, steps] int64
+    num_children: Any  # [batch, steps] int
+    accepted_rank: Any  # [batch, steps] int
 
-    def as_arrays(self) -> AcceptedPathStats:
-        """The same paths as NumPy arrays: a step's paths are read several times, and each
-        read of a torch tensor converts it again."""
-        return AcceptedPathStats(_host_array(self.num_children), _host_array(self.accepted_rank))
+    def as_lists(self) -> AcceptedPathStats:
+        """The same paths as nested lists of ints, ``[batch][steps]``, as the step controller
+        reads them: a step's paths are read several times, and a batch's few dozen numbers
+        are cheaper walked by the interpreter than by array operations in a CPU server, whose
+        forward has just swept the caches (``core.cost_model``)."""
+        return AcceptedPathStats(host_lists(self.num_children), host_lists(self.accepted_rank))
 
 
-def _host_array(values: Any) -> np.ndarray:
-    """``values`` (a host torch tensor or an array-like) as an int64 NumPy array. A tensor is
-    read through its own ``numpy()``: ``np.asarray`` of a tensor goes through several Python
-    frames, which cost tens of microseconds a call once a forward has left them out of the
-    caches."""
-    to_numpy = getattr(values, "numpy", None)
-    if to_numpy is not None and not isinstance(values, np.ndarray):
-        values = to_numpy()
-    return np.asarray(values, dtype=np.int64)
+def host_lists(values: Any) -> list[list[int]]:
+    """``values`` ``[batch, steps]`` (a host torch tensor, a NumPy array or nested lists) as
+    nested lists of ints."""
+    if isinstance(values, list):
+        return values
+    to_list = getattr(values, "tolist", None)
+    if to_list is not None:
+        return to_list()
+    return [[int(v) for v in row] for row in values]
 
 
 def accepted_counts(
     stats: AcceptedPathStats, topk: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(offered per depth, accepted per depth, accepted per sibling rank), batch totals."""
-    ranks = np.asarray(stats.accepted_rank)  # [batch, steps]
-    accepted = ranks >= 0
-    offered_by_depth = tuple(np.asarray(stats.num_children).sum(0).tolist())
-    accepted_by_depth = tuple(accepted.sum(0).tolist())
-    by_rank = np.bincount(ranks[accepted & (ranks < topk)], minlength=topk)[:topk]
-    return offered_by_depth, accepted_by_depth, tuple(by_rank.tolist())
+    children, ranks = host_lists(stats.num_children), host_lists(stats.accepted_rank)
+    steps = len(ranks[0]) if ranks else 0
+    offered, accepted, by_rank = [0] * steps, [0] * steps, [0] * topk
+    for children_row, rank_row in zip(children, ranks, strict=True):
+        for d in range(steps):
+            offered[d] += children_row[d]
+            rank = rank_row[d]
+            if rank >= 0:
+                accepted[d] += 1
+                if rank < topk:
+                    by_rank[rank] += 1
+    return tuple(offered), tuple(accepted), tuple(by_rank)
 
 
 @dataclass
@@ -225,33 +233,39 @@ class AcceptanceEstimator:
         instead; so an accepted rank r counts ranks 0..r as tried even if ``num_children <= r``,
         which keeps every hazard a probability.
         """
-        nc = np.asarray(num_children, dtype=np.int64)  # [batch, steps]
-        ar = np.asarray(accepted_rank, dtype=np.int64)  # [batch, steps]
+        children, ranks = host_lists(num_children), host_lists(accepted_rank)
         assert shape.speculative, "no speculation verifies no draft tokens"
-        assert nc.ndim == 2 and nc.shape == ar.shape, f"{nc.shape} vs {ar.shape}"
-        assert nc.shape[1] == shape.steps, f"expected {shape.steps} depths, got {nc.shape[1]}"
-        assert int(nc.max(initial=0)) <= shape.topk, f"more than topk {shape.topk} children"
-        assert int(ar.max(initial=-1)) < shape.topk, f"accepted rank >= topk {shape.topk}"
-        steps = shape.steps
-        # Ranks 0 .. tried-1 were tried at (request, depth).
-        tried = np.where(ar >= 0, ar + 1, nc)  # [batch, steps]
-        width = MAX_TOPK + 1
-        offsets = np.arange(steps) * width  # [steps]
-        hist = np.bincount((tried + offsets).ravel(), minlength=steps * width)
-        hist = hist.reshape(steps, width)  # [steps, MAX_TOPK + 1]: requests by ranks tried
-        # trials[d, r] = requests with more than r ranks tried at depth d
-        trials = np.cumsum(hist[:, :0:-1], axis=1)[:, ::-1]  # [steps, MAX_TOPK]
-        hit = ar >= 0  # [batch, steps]
-        cells = (ar + np.arange(steps) * MAX_TOPK)[hit]  # [accepted] flat (depth, rank) index
-        accepts = np.bincount(cells, minlength=steps * MAX_TOPK).reshape(steps, MAX_TOPK)
-        batch = nc.shape[0]
-        emitted = 1.0 + float(hit.sum()) / max(batch, 1)
+        steps, topk = shape.steps, shape.topk
+        # trials[d][r]: requests with more than r ranks tried at depth d; accepts[d][r]: those
+        # that accepted rank r there. A batch's few dozen cells, walked by the interpreter
+        # (``AcceptedPathStats.as_lists``).
+        trials = [[0] * MAX_TOPK for _ in range(steps)]
+        accepts = [[0] * MAX_TOPK for _ in range(steps)]
+        hits = 0
+        for children_row, rank_row in zip(children, ranks, strict=True):
+            assert len(children_row) == len(rank_row) == steps, (
+                f"expected {steps} depths, got {len(children_row)} and {len(rank_row)}"
+            )
+            for d in range(steps):
+                rank, offered = rank_row[d], children_row[d]
+                assert offered <= topk, f"more than topk {topk} children"
+                assert rank < topk, f"accepted rank >= topk {topk}"
+                # Ranks 0 .. tried-1 were tried at this depth.
+                tried = rank + 1 if rank >= 0 else offered
+                row = trials[d]
+                for r in range(tried):
+                    row[r] += 1
+                if rank >= 0:
+                    accepts[d][rank] += 1
+                    hits += 1
+        batch = len(ranks)
+        emitted = 1.0 + hits / max(batch, 1)
         # What the model predicted for this step, and how far to trust that prediction: both
         # as of the last refresh, as the policy saw them.
         weight = batch * self._refreshed_confidence
         ratio = emitted / (1.0 + request_factor * (self.model_emitted(shape) - 1.0))
         counts = self._counts
-        self._add(counts, shape, trials, accepts, emitted)
+        self._add(counts, shape, np.array(trials), np.array(accepts), emitted)
         keep = 1.0 - min(1.0, FACTOR_SPEED * self.decay)
         counts.ratio_sum[shape] = keep * counts.ratio_sum.get(shape, 0.0) + weight * ratio
         counts.ratio_weight[shape] = keep * counts.ratio_weight.get(shape, 0.0) + weight
@@ -469,9 +483,9 @@ class RequestAcceptance:
         if expected <= 0:
             return
         self._counter += 1
-        counts = np.asarray(accepted, dtype=np.float64)  # [batch]
-        assert counts.shape == (len(request_ids),), f"{counts.shape} for {len(request_ids)} ids"
-        for request_id, a in zip(request_ids, counts.tolist(), strict=True):
+        counts = accepted.tolist() if hasattr(accepted, "tolist") else list(accepted)  # [batch]
+        assert len(counts) == len(request_ids), f"{len(counts)} counts for {len(request_ids)} ids"
+        for request_id, a in zip(request_ids, counts, strict=True):
             e = self._evidence.get(request_id)
             if e is None:
                 e = self._evidence[request_id] = _RequestEvidence()

@@ -328,7 +328,7 @@ class StepController:
         learned = teaches_cost_model(decision.source, outcome.measured_ms)
         paths = None
         if shape.speculative and outcome.paths is not None:
-            paths = outcome.paths.as_arrays()
+            paths = outcome.paths.as_lists()
         if learned:
             self.policy.observe(
                 ticket.features, shape, outcome.measured_ms, paths, ticket.request_ids

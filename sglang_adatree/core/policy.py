@@ -81,6 +81,7 @@ from sglang_adatree.core.acceptance import (
     AcceptanceEstimator,
     AcceptedPathStats,
     RequestAcceptance,
+    host_lists,
 )
 from sglang_adatree.core.cost_model import CostModel
 from sglang_adatree.core.features import StepFeatures
@@ -285,7 +286,8 @@ class Policy:
             # The requests' level before this step: the shape is judged against it.
             factor = self.requests.batch_factor(request_ids)
             if request_ids:
-                accepted = (np.asarray(stats.accepted_rank) >= 0).sum(axis=1)  # [batch]
+                ranks = host_lists(stats.accepted_rank)  # [batch][steps]
+                accepted = [sum(rank >= 0 for rank in row) for row in ranks]  # [batch]
                 expected = self.acceptance.expected_emitted(shape) - 1.0
                 self.requests.observe(request_ids, accepted, expected)
             self.acceptance.observe(shape, stats.num_children, stats.accepted_rank, factor)
