@@ -145,14 +145,22 @@ def accepted_counts(
     return tuple(offered), tuple(accepted), tuple(by_rank)
 
 
+def _cells(value: float) -> list[list[float]]:
+    """``[MAX_STEPS][MAX_TOPK]`` cells holding ``value``."""
+    return [[value] * MAX_TOPK for _ in range(MAX_STEPS)]
+
+
 @dataclass
 class _Counts:
-    """Decayed acceptance counts and the per-shape correction's evidence."""
+    """Decayed acceptance counts and the per-shape correction's evidence.
 
-    trials: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
-    accepts: np.ndarray = field(default_factory=lambda: np.zeros((MAX_STEPS, MAX_TOPK)))
+    The cells are lists of rows, ``[MAX_STEPS][MAX_TOPK]``: a step adds to the few it measured
+    (``AcceptedPathStats.as_lists``), and a refresh reads them all as arrays."""
+
+    trials: list[list[float]] = field(default_factory=lambda: _cells(0.0))
+    accepts: list[list[float]] = field(default_factory=lambda: _cells(0.0))
     # Share of the prior's pseudo-observations still held: decays with the counts.
-    prior_keep: np.ndarray = field(default_factory=lambda: np.ones((MAX_STEPS, MAX_TOPK)))
+    prior_keep: list[list[float]] = field(default_factory=lambda: _cells(1.0))
     acceptance_length: dict[TreeShape, float] = field(default_factory=dict)
     # Per shape, decayed sums over requests (each weighted by the model's confidence then) of
     # measured / predicted emitted tokens, and of the weights: the correction factor's evidence.
@@ -265,7 +273,7 @@ class AcceptanceEstimator:
         weight = batch * self._refreshed_confidence
         ratio = emitted / (1.0 + request_factor * (self.model_emitted(shape) - 1.0))
         counts = self._counts
-        self._add(counts, shape, np.array(trials), np.array(accepts), emitted)
+        self._add(counts, shape, trials, accepts, emitted)
         keep = 1.0 - min(1.0, FACTOR_SPEED * self.decay)
         counts.ratio_sum[shape] = keep * counts.ratio_sum.get(shape, 0.0) + weight * ratio
         counts.ratio_weight[shape] = keep * counts.ratio_weight.get(shape, 0.0) + weight
@@ -277,16 +285,23 @@ class AcceptanceEstimator:
         self,
         counts: _Counts,
         shape: TreeShape,
-        trials: np.ndarray,
-        accepts: np.ndarray,
+        trials: list[list[int]],  # [steps][MAX_TOPK]
+        accepts: list[list[int]],  # [steps][MAX_TOPK]
         emitted: float,
     ) -> None:
-        steps = trials.shape[0]
-        seen = trials > 0  # [steps, MAX_TOPK]: only measured cells decay
-        keep = np.where(seen, 1.0 - self.decay, 1.0)
-        counts.trials[:steps] = counts.trials[:steps] * keep + trials
-        counts.accepts[:steps] = counts.accepts[:steps] * keep + accepts
-        counts.prior_keep[:steps] *= keep
+        keep = 1.0 - self.decay
+        for d, (step_trials, step_accepts) in enumerate(zip(trials, accepts, strict=True)):
+            cell_trials, cell_accepts = counts.trials[d], counts.accepts[d]
+            prior_keep = counts.prior_keep[d]
+            for r, tried in enumerate(step_trials):
+                # Only measured cells decay. A depth's trials never grow with the rank (a
+                # rank is tried only after every one before it), so the first unmeasured
+                # cell ends the row's measured ones.
+                if tried == 0:
+                    break
+                cell_trials[r] = cell_trials[r] * keep + tried
+                cell_accepts[r] = cell_accepts[r] * keep + step_accepts[r]
+                prior_keep[r] *= keep
         old = counts.acceptance_length.get(shape)
         counts.acceptance_length[shape] = (
             emitted if old is None else (1.0 - self.decay) * old + self.decay * emitted
@@ -332,14 +347,15 @@ class AcceptanceEstimator:
         tokens about as well as shallow ones, and deep cells are measured only by the deep trees
         that reach them, so a fixed prior there would keep those trees priced by it long after
         the shallow depths showed what this draft does."""
-        w = self.prior_weight * counts.prior_keep  # [MAX_STEPS, MAX_TOPK]
-        trials = counts.trials + w
+        w = self.prior_weight * np.array(counts.prior_keep)  # [MAX_STEPS, MAX_TOPK]
+        accepts = np.array(counts.accepts)  # [MAX_STEPS, MAX_TOPK]
+        trials = np.array(counts.trials) + w
         safe = np.where(trials > 0, trials, 1.0)
         out = np.empty_like(prior)
         above = prior[0]
         for d in range(prior.shape[0]):
             # A cell never measured under prior weight 0 has no data: it keeps its prior.
-            out[d] = np.where(trials[d] > 0, (counts.accepts[d] + w[d] * above) / safe[d], above)
+            out[d] = np.where(trials[d] > 0, (accepts[d] + w[d] * above) / safe[d], above)
             above = out[d]
         return out
 
@@ -355,11 +371,11 @@ class AcceptanceEstimator:
 
     def effective_observations(self) -> np.ndarray:
         """``[MAX_STEPS, MAX_TOPK]`` decayed trial counts behind each estimate."""
-        return self._counts.trials.copy()
+        return np.array(self._counts.trials)
 
     def confidence(self) -> float:
         """Weight of data against the prior for the root's top-ranked child, in [0, 1)."""
-        n = float(self._counts.trials[0, 0])
+        n = self._counts.trials[0][0]
         return n / (n + self.prior_weight) if n + self.prior_weight > 0 else 0.0
 
     def acceptance_length(self, shape: TreeShape) -> float | None:
