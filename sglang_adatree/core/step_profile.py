@@ -190,11 +190,9 @@ class ProfileStepTime:
         return np.array(self.predict_list(features, shapes))
 
     def predict_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
-        """``predict_many`` as a list (``TableProfile.step_ms_list``)."""
-        f = features
-        return self.profile.step_ms_list(
-            StepFeatures(f.batch_size, f.batch_size, f.sum_context_len, f.max_context_len), shapes
-        )
+        """``predict_many`` as a list (``TableProfile.step_ms_list``). The profile pads the
+        batch size as the deployment it was measured on did, whatever ``features`` padded."""
+        return self.profile.step_ms_list(features, shapes)
 
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
         """``[rows]`` step times in ms for feature rows ``x`` ``[rows, NUM_FEATURES]``. The
