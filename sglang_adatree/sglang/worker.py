@@ -356,7 +356,11 @@ class AdaTreeWorkerMixin:
                 top_scores_index=dw.last_top_scores_index,
                 topk=shape.topk,
             )
-            if not self._on_cpu:
+            if self._on_cpu:
+                # Read now, while the step's tensor machinery is in the caches: the finish
+                # runs after the scheduler's result processing.
+                paths = paths.as_lists()
+            else:
                 paths = _to_host(paths)
         finished = None
         if end_event is None:
