@@ -356,12 +356,9 @@ class AdaTreeWorkerMixin:
                 top_scores_index=dw.last_top_scores_index,
                 topk=shape.topk,
             )
-            if self._on_cpu:
-                # Read now, while the step's tensor machinery is in the caches: the finish
-                # runs after the scheduler's result processing.
-                paths = paths.as_lists()
-            else:
-                paths = _to_host(paths)
+            # On a CPU, read now, while the step's tensor machinery is in the caches: the
+            # finish runs after the scheduler's result processing.
+            paths = paths.as_lists() if self._on_cpu else _to_host(paths)
         finished = None
         if end_event is None:
             finished = time.perf_counter()

@@ -105,6 +105,26 @@ class Streamed:
     spec_verify_ct: int = 0
     error: str | None = None
     text: str = ""
+    first_tokens: int = 0  # tokens the first chunk carried
+    # The last chunk before the final one that carried tokens: when it came (ms from the
+    # request) and the tokens so far; None with fewer than three such chunks.
+    penultimate: tuple[float, int] | None = None
+
+    @property
+    def steady_tpot_ms(self) -> float | None:
+        """Time per token from the first token-carrying chunk to the last but one, over the
+        tokens between them; None with fewer than three such chunks.
+
+        A server that streams each token a step late (SGLang's overlap scheduler) sends its
+        first token after its first decode step and its last two together: TPOT from the first
+        token to the last reads one step short of its steps. Leaving out the last chunk counts
+        the same steps for either kind of server (docs/results.md)."""
+        if self.ttft_ms is None or self.penultimate is None:
+            return None
+        at_ms, tokens = self.penultimate
+        if tokens <= self.first_tokens:
+            return None
+        return (at_ms - self.ttft_ms) / (tokens - self.first_tokens)
 
 
 def stream_generate(
@@ -125,6 +145,11 @@ def stream_generate(
     ttft_ms = None
     meta: dict = {}
     output = ""
+    # (ms from the request, tokens so far) of the last two chunks that carried tokens, and
+    # the first's tokens
+    before_last: tuple[float, int] | None = None
+    last: tuple[float, int] | None = None
+    first_tokens = 0
     try:
         with session.post(f"{url}/generate", json=payload, stream=True, timeout=timeout_s) as r:
             if r.status_code != 200:
@@ -140,14 +165,27 @@ def stream_generate(
                     return Streamed(ttft_ms, error=str(chunk["error"])[:200])
                 meta = chunk.get("meta_info") or meta
                 output = chunk.get("text", output)
-                if ttft_ms is None and meta.get("completion_tokens", 0) >= 1:
-                    ttft_ms = (time.perf_counter() - start) * 1000.0
+                tokens = int(meta.get("completion_tokens", 0))
+                if tokens >= 1 and (last is None or tokens > last[1]):
+                    now_ms = (time.perf_counter() - start) * 1000.0
+                    if ttft_ms is None:
+                        ttft_ms, first_tokens = now_ms, tokens
+                    else:
+                        before_last = last
+                    last = (now_ms, tokens)
     except (requests.RequestException, json.JSONDecodeError) as exc:
         return Streamed(ttft_ms, error=f"{type(exc).__name__}: {exc}"[:200])
     tokens = int(meta.get("completion_tokens", 0))
     if tokens == 0:
         return Streamed(ttft_ms, error="no tokens generated")
-    return Streamed(ttft_ms, tokens, int(meta.get("spec_verify_ct") or 0), text=output)
+    return Streamed(
+        ttft_ms,
+        tokens,
+        int(meta.get("spec_verify_ct") or 0),
+        text=output,
+        first_tokens=first_tokens,
+        penultimate=before_last,
+    )
 
 
 def poisson_offsets(count: int, rate: float, seed: int) -> list[float]:

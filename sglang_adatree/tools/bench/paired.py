@@ -15,13 +15,17 @@ prompts it was faster on. Every answer is compared with the reference's for the 
 greedy speculative decoding is lossless, so they must be identical, and the comparison says
 where they are not.
 
-Beside it, the same paired median of the request's whole latency per output token. TPOT alone
-flatters a server whose scheduler overlaps batches (plain SGLang on a CPU; its speculative
-servers run synchronously there): it streams each token a step late, the first included, and
-skips the decode step of a finishing request, so the time between the first and the last token
-holds one step fewer than ``new_tokens - 1`` and its TPOT reads about ``1 / (new_tokens - 1)``
-low (3% at 32 tokens, 1.6% at 64). Latency per token does not depend on where the first token
-lands; it includes the prefill (with a speculative server's draft prefill: a wait too).
+A request's TPOT is the time from its first token-carrying chunk to its last but one, over the
+tokens between them (``client.Streamed.steady_tpot_ms``), not to its last. A server whose
+scheduler overlaps batches (plain SGLang on a CPU; its speculative servers run synchronously
+there) streams each token a step late, the first included, and its last two together: the
+time from the first token to the last holds one step fewer than ``new_tokens - 1``, and TPOT
+taken that way reads about ``1 / (new_tokens - 1)`` low against a synchronous server's (3% at
+32 tokens, 1.6% at 64). Between the first chunk and the last but one, both count the same steps.
+
+Beside it, the same paired median of the request's whole latency per output token, which does
+not depend on where the first token lands either; it includes the prefill (with a speculative
+server's draft prefill: a wait too).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class Sample:
     prompt: int  # index into the workload
     configuration: str
     ttft_ms: float | None
-    tpot_ms: float | None
+    tpot_ms: float | None  # ``client.Streamed.steady_tpot_ms`` where it has one
     output_tokens: int
     spec_verify_ct: int
     text: str
@@ -345,7 +349,9 @@ def _one(
     latency_ms = (time.perf_counter() - start) * 1000.0
     tpot = None
     if streamed.error is None and streamed.ttft_ms is not None and streamed.output_tokens > 1:
-        tpot = (latency_ms - streamed.ttft_ms) / (streamed.output_tokens - 1)
+        tpot = streamed.steady_tpot_ms
+        if tpot is None:  # two chunks at most: from the first token to the last
+            tpot = (latency_ms - streamed.ttft_ms) / (streamed.output_tokens - 1)
     return Sample(
         prompt=index,
         configuration=name,
