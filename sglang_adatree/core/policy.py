@@ -324,7 +324,7 @@ class Policy:
 
         Domination is transitive, so one pass against the uncapped estimates is the fixed
         point. The estimator returns the same array until it refreshes, so the result is kept
-        for it."""
+        for it: read it, do not write to it."""
         ordered = self._ordered
         if ordered is not None and ordered[0] is emitted:
             return ordered[1]
