@@ -10,9 +10,10 @@ Two kinds of load, as SGLang's and vLLM's serving benchmarks offer:
   the policies differ in TPOT and TTFT instead.
 
 Per request: TTFT = time to the first streamed chunk carrying a token; TPOT = (end - first
-token) / (output tokens - 1); the output token count and SGLang's ``spec_verify_ct`` (verify
-steps of that request) come from the final ``meta_info``. Decoding is greedy (temperature 0),
-so every policy generates the same tokens and only the time differs.
+token) / (output tokens - 1) (``adatree compare`` pairs ``Streamed.steady_tpot_ms`` instead,
+which ends at the last chunk but one); the output token count and SGLang's ``spec_verify_ct``
+(verify steps of that request) come from the final ``meta_info``. Decoding is greedy
+(temperature 0), so every policy generates the same tokens and only the time differs.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ class Streamed:
     error: str | None = None
     text: str = ""
     first_tokens: int = 0  # tokens the first chunk carried
-    # The last chunk before the final one that carried tokens: when it came (ms from the
-    # request) and the tokens so far; None with fewer than three such chunks.
+    # Of the chunks that carried tokens, the last but one: when it came (ms from the request)
+    # and the tokens so far; None with a single such chunk.
     penultimate: tuple[float, int] | None = None
 
     @property
