@@ -31,14 +31,14 @@ def test_analytic_defaults_by_hand():
 
 
 def test_one_batch_is_priced_as_its_feature_rows_are_whichever_shapes_were_priced_last():
-    # ``predict_many`` keeps the last shape tuple's terms: another tuple must not reuse them.
+    # ``predict_list`` keeps the last shape tuple's terms: another tuple must not reuse them.
     m = AnalyticStepTime(c_fixed=3.0, c_bs=0.02, c_compute=0.01, c_kv=5e-5, c_spec=0.5,
                          c_draft_pass=0.2, c_draft_token=0.004)  # fmt: skip
     chains = tuple(s for s in DEFAULT_CANDIDATES if s.topk == 1)
     for f in (StepFeatures(1, 1, 300, 300), StepFeatures(6, 8, 9000, 3000)):
         for shapes in (DEFAULT_CANDIDATES, chains, DEFAULT_CANDIDATES, (TreeShape(3, 2, 6),)):
             # Equal to the last bit: a decision and the step's observation price both ways.
-            assert m.predict_many(f, shapes).tolist() == (
+            assert m.predict_list(f, shapes) == (
                 m.predict_matrix(feature_matrix(f, shapes)).tolist()
             )
     np.testing.assert_allclose(

@@ -76,7 +76,7 @@ def test_one_batch_is_priced_directly_as_its_feature_rows_are():
         StepFeatures(9, 9, 90000, 9000),
     ):
         rows = model.predict_matrix(feature_matrix(f, SHAPES))
-        assert model.predict_many(f, SHAPES).tolist() == rows.tolist()
+        assert model.predict_list(f, SHAPES) == rows.tolist()
         assert cost.raw_ms_many(f, SHAPES).tolist() == rows.tolist()
 
 

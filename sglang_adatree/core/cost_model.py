@@ -207,15 +207,11 @@ class AnalyticStepTime:
             + self.c_kv * x[:, c["sum_context_len"]]
         )
 
-    def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` step times in ms of one batch, equal to ``predict_matrix`` of its
-        feature rows, without building them."""
-        return np.array(self.predict_list(features, shapes))
-
     def predict_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
-        """``predict_many`` as a list. The policy prices every candidate each step, and in a
-        CPU server each array operation runs in caches the forward has just swept (tens of
-        microseconds each), while the interpreter's own loop runs warm: this takes none."""
+        """``[len(shapes)]`` step times in ms of one batch, equal to ``predict_matrix`` of its
+        feature rows, without building them. The policy prices every candidate each step, and
+        in a CPU server each array operation runs in caches the forward has just swept (tens
+        of microseconds each), while the interpreter's own loop runs warm: this takes none."""
         # The last shape tuple priced, which a decision asks for every step, with its terms;
         # one read and one write, so a thread pricing another tuple meanwhile cannot mix them.
         last = getattr(self, "_last_terms", None)

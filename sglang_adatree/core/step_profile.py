@@ -81,7 +81,9 @@ class TableProfile:
         return [s for s in shapes if s not in index]
 
     def step_ms(self, features: StepFeatures, shape: TreeShape) -> float:
-        return self.step_ms_list(features, (shape,))[0]
+        """One shape's step time, read without the rows kept for the last shape tuple (a
+        simulator's truth asks a shape at a time, the policy its candidates)."""
+        return self._interpolated([self.ms[self._row(shape)].tolist()], features)[0]
 
     def step_ms_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
         """``[len(shapes)]`` step times of one batch; KeyError for a shape not profiled."""
@@ -93,15 +95,20 @@ class TableProfile:
         microseconds and the interpreter's own loop runs warm (``core.cost_model``)."""
         last, rows = self._last_rows  # type: ignore[attr-defined]
         if last is not shapes:
-            index = self._index  # type: ignore[attr-defined]
-            at = []
-            for shape in shapes:
-                i = index.get(shape)
-                if i is None:
-                    raise KeyError(f"profile {self.name} has no step time for shape {shape}")
-                at.append(i)
-            rows = self.ms[at].tolist()  # [shapes][batch_sizes][context_lens]
+            # [shapes][batch_sizes][context_lens]
+            rows = self.ms[[self._row(s) for s in shapes]].tolist()
             object.__setattr__(self, "_last_rows", (shapes, rows))
+        return self._interpolated(rows, features)
+
+    def _row(self, shape: TreeShape) -> int:
+        """``shape``'s row of the table; KeyError for a shape not profiled."""
+        i = self._index.get(shape)  # type: ignore[attr-defined]
+        if i is None:
+            raise KeyError(f"profile {self.name} has no step time for shape {shape}")
+        return i
+
+    def _interpolated(self, rows: list[list[list[float]]], features: StepFeatures) -> list[float]:
+        """``rows`` ``[shapes][batch_sizes][context_lens]`` interpolated at this batch."""
         b = float(self.padding.padded(features.batch_size))
         mean = features.sum_context_len / features.batch_size
         j, wj = _bracket(self.context_lens, mean, extrapolate=False)
@@ -184,14 +191,11 @@ class ProfileStepTime:
         self._last_cols = b""
         self._last_shapes: list[TreeShape] = []
 
-    def predict_many(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> np.ndarray:
-        """``[len(shapes)]`` step times in ms of one batch, as ``predict_matrix`` prices its
-        feature rows, without building them: the policy prices every candidate each step."""
-        return np.array(self.predict_list(features, shapes))
-
     def predict_list(self, features: StepFeatures, shapes: Sequence[TreeShape]) -> list[float]:
-        """``predict_many`` as a list (``TableProfile.step_ms_list``). The profile pads the
-        batch size as the deployment it was measured on did, whatever ``features`` padded."""
+        """``[len(shapes)]`` step times in ms of one batch, as ``predict_matrix`` prices its
+        feature rows, without building them: the policy prices every candidate each step
+        (``TableProfile.step_ms_list``). The profile pads the batch size as the deployment it
+        was measured on did, whatever ``features`` padded."""
         return self.profile.step_ms_list(features, shapes)
 
     def predict_matrix(self, x: np.ndarray) -> np.ndarray:
