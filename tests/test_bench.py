@@ -296,8 +296,8 @@ def test_draft_kind_matches_the_plugins_rule(tmp_path, architectures, kind):
 # -- rows and comparisons -------------------------------------------------------------------------
 
 
-def request(i, tokens, verify, ttft=100.0, latency=1100.0, phase="", error=None):
-    return RequestResult(i, phase, 0.0, ttft, latency, tokens, verify, error)
+def request(i, tokens, verify, ttft=100.0, latency=1100.0, phase="", error=None, steady=None):
+    return RequestResult(i, phase, 0.0, ttft, latency, tokens, verify, error, steady)
 
 
 def test_row_from_requests():
@@ -320,6 +320,17 @@ def test_row_from_requests():
     assert row.shapes == {} and row.num_steps == 0 and row.accept_len_steps is None
     static = make_row("static:3,1,4", "s", "mtbench", "c1", [point], EMPTY, "3,1,4")
     assert static.shapes == {"3,1,4": 0}
+
+
+def test_a_rows_tpot_reads_the_streams_steady_tpot_where_it_had_one():
+    point = PointResult(
+        (request(0, 11, 5, steady=80.0), request(1, 11, 5), request(2, 1, 1, steady=80.0)),
+        started_at=1000.0,
+        finished_at=1004.0,
+    )
+    assert [r.tpot_ms for r in point.requests] == [80.0, 100.0, None]
+    row = make_row("ar", "ar", "mtbench", "c1", [point], EMPTY)
+    assert row.tpot_ms_p50 == pytest.approx(90.0)
 
 
 def test_repeated_points_report_the_median_goodput():

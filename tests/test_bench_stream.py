@@ -4,13 +4,15 @@ SGLang does (``data:`` lines of cumulative ``meta_info``)."""
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
 import requests
 
-from sglang_adatree.tools.bench.client import Streamed, stream_generate
+from sglang_adatree.tools.bench.client import Load, Streamed, run_point, stream_generate
 
 STEP_S = 0.05
 
@@ -46,26 +48,38 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def _stream(schedule: list[tuple[float, int]]) -> Streamed:
+@contextmanager
+def _serving(schedule: list[tuple[float, int]]) -> Iterator[str]:
+    """A local server that answers every request with ``schedule``; yields its URL."""
     handler = type("Handler", (_Handler,), {"schedule": schedule})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        return stream_generate(requests.Session(), url, "hi", 16, timeout_s=30)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
 
 
+def _stream(schedule: list[tuple[float, int]]) -> Streamed:
+    with _serving(schedule) as url:
+        return stream_generate(requests.Session(), url, "hi", 16, timeout_s=30)
+
+
+def _synchronous(tokens: int) -> list[tuple[float, int]]:
+    """The first token after the prefill, then one a step."""
+    return [(STEP_S, 1)] + [(STEP_S, k) for k in range(2, tokens + 1)]
+
+
+def _overlapped(tokens: int) -> list[tuple[float, int]]:
+    """Every token a step late, the first included; the last two together."""
+    return [(2 * STEP_S, 1)] + [(STEP_S, k) for k in range(2, tokens)] + [(0.0, tokens)]
+
+
 def test_a_server_that_streams_a_step_late_counts_the_same_steps():
     tokens = 6
-    # Synchronous: the first token after the prefill, then one a step.
-    synchronous = [(STEP_S, 1)] + [(STEP_S, k) for k in range(2, tokens + 1)]
-    # Overlapped: every token a step late, the first included; the last two together.
-    overlapped = [(2 * STEP_S, 1)] + [(STEP_S, k) for k in range(2, tokens)] + [(0.0, tokens)]
-    for schedule in (synchronous, overlapped):
+    for schedule in (_synchronous(tokens), _overlapped(tokens)):
         streamed = _stream(schedule)
         assert streamed.output_tokens == tokens and streamed.first_tokens == 1
         assert streamed.penultimate is not None and streamed.penultimate[1] == tokens - 1
@@ -91,3 +105,23 @@ def test_steady_tpot_needs_three_chunks():
     assert _stream([(0.0, 1), (STEP_S, 2)]).steady_tpot_ms is None
     assert Streamed(100.0, 5, first_tokens=1, penultimate=(300.0, 3)).steady_tpot_ms == 100.0
     assert Streamed(None, 5, first_tokens=1, penultimate=(300.0, 3)).steady_tpot_ms is None
+
+
+def test_the_benchmark_counts_the_same_steps_for_both_servers():
+    # ``adatree bench`` compares policies served by both kinds of server against ``ar``.
+    tokens = 6
+    for schedule in (_synchronous(tokens), _overlapped(tokens)):
+        with _serving(schedule) as url:
+            point = run_point(url, ["hi"], [""], Load("concurrency", 1), 16, timeout_s=30)
+        (result,) = point.requests
+        assert result.error is None and result.output_tokens == tokens
+        assert result.tpot_ms == pytest.approx(1000 * STEP_S, rel=0.1)
+
+
+def test_the_benchmark_falls_back_to_the_first_token_and_the_last():
+    with _serving([(STEP_S, 1), (2 * STEP_S, 3)]) as url:
+        point = run_point(url, ["hi"], [""], Load("concurrency", 1), 16, timeout_s=30)
+    (result,) = point.requests
+    assert result.steady_tpot_ms is None and result.ttft_ms is not None
+    assert result.tpot_ms == pytest.approx((result.latency_ms - result.ttft_ms) / 2)
+    assert result.tpot_ms == pytest.approx(1000 * STEP_S, rel=0.2)

@@ -9,9 +9,10 @@ Two kinds of load, as SGLang's and vLLM's serving benchmarks offer:
   a seeded generator). Below the server's capacity goodput is capped by the offered load, and
   the policies differ in TPOT and TTFT instead.
 
-Per request: TTFT = time to the first streamed chunk carrying a token; TPOT = (end - first
-token) / (output tokens - 1) (``adatree compare`` pairs ``Streamed.steady_tpot_ms`` instead,
-which ends at the last chunk but one); the output token count and SGLang's ``spec_verify_ct``
+Per request: TTFT = time to the first streamed chunk carrying a token; TPOT = the time from
+that chunk to the last token-carrying chunk but one, over the tokens between them
+(``Streamed.steady_tpot_ms``), or (end - first token) / (output tokens - 1) where the stream
+had fewer than three such chunks; the output token count and SGLang's ``spec_verify_ct``
 (verify steps of that request) come from the final ``meta_info``. Decoding is greedy
 (temperature 0), so every policy generates the same tokens and only the time differs.
 """
@@ -78,13 +79,27 @@ class RequestResult:
     output_tokens: int
     spec_verify_ct: int
     error: str | None = None
+    # ``Streamed.steady_tpot_ms`` of the request's stream; None where it had none.
+    steady_tpot_ms: float | None = None
 
     @property
     def tpot_ms(self) -> float | None:
-        """Time per output token after the first; None with fewer than two tokens."""
-        if self.ttft_ms is None or self.output_tokens < 2:
-            return None
-        return (self.latency_ms - self.ttft_ms) / (self.output_tokens - 1)
+        """Time per output token after the first: the stream's steady TPOT where it had one
+        (``Streamed.steady_tpot_ms``: policies compared against `ar` then count the same steps),
+        else (latency - TTFT) / (output tokens - 1); None with fewer than two tokens."""
+        return tpot_ms(self.ttft_ms, self.latency_ms, self.output_tokens, self.steady_tpot_ms)
+
+
+def tpot_ms(
+    ttft_ms: float | None, latency_ms: float, output_tokens: int, steady_tpot_ms: float | None
+) -> float | None:
+    """A request's TPOT: ``steady_tpot_ms`` where its stream had one, else (latency - TTFT) /
+    (output tokens - 1); None without a first token or with fewer than two tokens."""
+    if ttft_ms is None or output_tokens < 2:
+        return None
+    if steady_tpot_ms is not None:
+        return steady_tpot_ms
+    return (latency_ms - ttft_ms) / (output_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -230,6 +245,7 @@ def run_point(
             output_tokens=streamed.output_tokens,
             spec_verify_ct=streamed.spec_verify_ct,
             error=streamed.error,
+            steady_tpot_ms=streamed.steady_tpot_ms,
         )
         if on_done is not None:
             on_done(result)

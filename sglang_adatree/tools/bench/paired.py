@@ -42,7 +42,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from sglang_adatree.tools.bench.client import stream_generate
+from sglang_adatree.tools.bench.client import stream_generate, tpot_ms
 from sglang_adatree.tools.bench.configurations import (
     Configuration,
     Models,
@@ -348,10 +348,10 @@ def _one(
     )
     latency_ms = (time.perf_counter() - start) * 1000.0
     tpot = None
-    if streamed.error is None and streamed.ttft_ms is not None and streamed.output_tokens > 1:
-        tpot = streamed.steady_tpot_ms
-        if tpot is None:  # two chunks at most: from the first token to the last
-            tpot = (latency_ms - streamed.ttft_ms) / (streamed.output_tokens - 1)
+    if streamed.error is None:
+        tpot = tpot_ms(
+            streamed.ttft_ms, latency_ms, streamed.output_tokens, streamed.steady_tpot_ms
+        )
     return Sample(
         prompt=index,
         configuration=name,
