@@ -273,6 +273,37 @@ def error_figure(report: CostReport) -> Figure:
     return {"data": traces, "layout": layout}
 
 
+# Shapes the model prices at these multiples of no speculation's time, one line each on the
+# price split's figure: a small tree and a large one, for the tilt to show between them.
+SPLIT_RATIOS = (1.25, 2.0)
+
+
+def split_figure(report: CostReport) -> Figure:
+    """How the machine priced steps against the step-time model over time: its speed (no
+    speculation's time against the model's) and, for shapes the model prices at
+    ``SPLIT_RATIOS`` times no speculation's, how much dearer against no speculation they are
+    here than the model says (``cost_model.PriceSplit``)."""
+    s = report.sample
+    known = ~np.isnan(s.price_drift)  # [points]
+    time = _ms(s.time[known])
+    drift, tilt, offset = s.price_drift[known], s.price_tilt[known], s.price_offset[known]
+    traces = [
+        _trace("scatter", x=time, y=np.exp(drift), mode="lines", name="no speculation's time")
+    ]
+    for ratio in SPLIT_RATIOS:
+        factor = np.exp(offset + np.log(ratio) * tilt)  # [points]
+        name = f"a shape at {ratio:g}x no speculation's, against it"
+        traces.append(_trace("scatter", x=time, y=factor, mode="lines", name=name))
+    layout = _layout(
+        "This machine against the step-time model",
+        height=400,
+        xaxis={"type": "date", "title": {"text": "time (UTC)"}},
+        yaxis={"title": {"text": "times the model's"}},
+        legend={"orientation": "h", "y": -0.3},
+    )
+    return {"data": traces, "layout": layout}
+
+
 def to_json(fig: Figure) -> str:
     """The figure as JSON text (numpy arrays become lists; orjson when installed)."""
     return to_json_plotly(fig)

@@ -1,5 +1,5 @@
 """Cost model: predicted against measured step time and acceptance length, and the error over
-time, per policy version."""
+time, per policy version; how the machine priced steps against the step-time model."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def page() -> ResponseReturnValue:
             "step_time": charts.script_json(charts.cost_scatter(report)),
             "error": charts.script_json(charts.error_figure(report)),
             "accept": charts.script_json(charts.accept_scatter(report)),
+            "split": charts.script_json(charts.split_figure(report)),
         }
     return render_template(
         "cost_model.html",

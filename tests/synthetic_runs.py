@@ -124,6 +124,11 @@ def step_rows(
     other_reach = depth <= np.minimum(other_cols[:, 0], other_cols[:, 2] - 1)[:, None]
     other_accept = 1.0 + np.where(other_reach, other_q[:, None] ** depth, 0.0).sum(axis=1)
     other_label = [f"{a},{b},{c}" for a, b, c in _ints(other_cols)]
+    # How the machine priced steps against the model: a drift that walks, speculation a
+    # little dearer than the model says, and dearer the larger the shape.
+    drift = np.cumsum(rng.normal(0, 0.01, n))
+    tilt = 0.1 + 0.05 * np.sin(i / 500.0)
+    offset = np.full(n, 0.05)
     source = np.where(explore, "explore", np.where(version < 0, "fallback", "model"))
     source[: max(0, 32 - first_index)] = "warmup"
     steps_l, topk_l = _ints(steps), _ints(topk)
@@ -159,6 +164,9 @@ def step_rows(
         other_label,
         other_ms.tolist(),
         other_accept.tolist(),
+        drift.tolist(),
+        tilt.tolist(),
+        offset.tolist(),
         by_depth,
         by_rank,
     )

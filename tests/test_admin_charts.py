@@ -47,6 +47,9 @@ def report() -> CostReport:
         measured_ms=np.array([9.0, 11.5, 12.5]),
         predicted_accept_len=np.array([np.nan, 2.0, 2.5]),
         measured_accept_len=np.array([1.0, 2.2, 2.4]),
+        price_drift=np.array([np.nan, 0.1, 0.2]),
+        price_tilt=np.array([np.nan, 0.5, 0.5]),
+        price_offset=np.array([np.nan, 0.0, 0.1]),
     )
     return CostReport(
         time_range=TR,
@@ -112,6 +115,20 @@ def test_cost_scatter_has_a_trace_per_version_and_the_identity_line():
     identity = fig.data[-1]
     assert list(identity.x) == list(identity.y) == [0.0, 12.5]
     assert list(fig.data[1].x) == [11.5, 12.5] and list(fig.data[1].y) == [11.0, 12.0]
+
+
+def test_split_figure_prices_speculation_against_the_model():
+    fig = valid(charts.split_figure(report()))
+    assert [t.name for t in fig.data] == [
+        "no speculation's time",
+        "a shape at 1.25x no speculation's, against it",
+        "a shape at 2x no speculation's, against it",
+    ]
+    speed, small, large = fig.data
+    assert list(speed.x) == [2000.0, 3000.0]  # the step without a split is left out
+    assert list(speed.y) == pytest.approx([np.exp(0.1), np.exp(0.2)])
+    assert list(small.y) == pytest.approx([1.25**0.5, np.exp(0.1) * 1.25**0.5])
+    assert list(large.y) == pytest.approx([2.0**0.5, np.exp(0.1) * 2.0**0.5])
 
 
 def test_accept_scatter_skips_steps_without_a_prediction():

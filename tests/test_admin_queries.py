@@ -218,6 +218,36 @@ def test_cost_report_matches_a_direct_computation(db_url):
     assert {e.version for e in report.error_over_time} == set(by_version)
 
 
+def test_the_cost_reports_sample_carries_each_steps_price_split(db_url):
+    run_id = seed_run(db_url, 1000, seed=30)
+    engine = store.get_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(
+            update(Step)
+            .where(Step.step_index < 100)
+            .values(price_drift=None, price_tilt=None, price_offset=None)
+        )
+    with engine.connect() as conn:
+        tr = runs.resolve_range(conn, runs.get_run(conn, run_id), "run")
+        report = costs.cost_report(conn, run_id, tr)
+        split = {
+            t: (d, k, o)
+            for t, d, k, o in conn.execute(
+                select(Step.wall_time, Step.price_drift, Step.price_tilt, Step.price_offset)
+            )
+        }
+    s = report.sample
+    for t, d, k, o in zip(s.time, s.price_drift, s.price_tilt, s.price_offset, strict=True):
+        want = split[float(t)]
+        if want[0] is None:
+            assert np.isnan(d) and np.isnan(k) and np.isnan(o)
+        else:
+            assert (d, k, o) == pytest.approx(want)
+    assert np.isnan(s.price_drift).any() and not np.isnan(s.price_drift).all()
+    sample = report.to_json()["sample"]
+    assert None in sample["price_drift"] and len(sample["price_tilt"]) == len(s.time)
+
+
 def test_steps_without_predictions_are_left_out_of_the_cost_report(db_url):
     run_id = seed_run(db_url, 500, seed=28)
     engine = store.get_engine(db_url)

@@ -136,6 +136,8 @@ def test_cost_model_api(operator, seeded):
     versions = {v["version"] for v in data["versions"]}
     assert versions == {"fallback", "v1", "v2"}
     assert 0 < len(data["sample"]["time"]) <= 2000
+    split = data["sample"]["price_drift"], data["sample"]["price_offset"]
+    assert all(len(v) == len(data["sample"]["time"]) for v in split)
 
 
 def test_runs_api(operator, seeded):

@@ -112,7 +112,17 @@ def test_the_server_state_shows_the_step_noise_once_estimated():
         ticket = controller.begin(batch.view())
         report = controller.finish(ticket, outcome(ticket, 50.0 * math.exp(0.1 * rng.normal())))
         batch.advance(report, ticket)
-    assert controller.server_state()["adatree_step_noise"] == pytest.approx(0.1, rel=0.3)
+    state = controller.server_state()
+    assert state["adatree_step_noise"] == pytest.approx(0.1, rel=0.3)
+    # The split as the cost model stands: a machine at 50 ms a step, far from the model's
+    # default costs, set the drift.
+    split = controller.policy.cost_model.split()
+    assert state["adatree_price_split"] == {
+        "drift": split.drift,
+        "tilt": split.tilt,
+        "offset": split.offset,
+    }
+    assert abs(split.drift) > 0.1
 
 
 def test_a_lost_completion_is_counted_and_shifts_nothing():
@@ -209,6 +219,7 @@ def test_a_catch_ups_runner_up_is_the_shape_it_holds():
         held.predicted_ms,
         held.predicted_emitted,
     )
+    assert decision.split is not None and decision.split == held.split
 
 
 def test_without_skipping_the_extend_no_catch_up_runs():

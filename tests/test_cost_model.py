@@ -13,6 +13,7 @@ from sglang_adatree.core.cost_model import (
     SPLIT_PRIOR,
     AnalyticStepTime,
     OnlineCostModel,
+    PriceSplit,
     ResidualCorrection,
     mape,
 )
@@ -229,6 +230,30 @@ def test_a_machine_that_splits_its_time_otherwise_reprices_no_speculation_unrun(
     for shape in (chain, tree):
         truth = model.raw_ms_many(f, (shape,))[0] * math.exp(tilt * model.lever(f, shape))
         assert model.predict_ms(f, shape) == pytest.approx(truth, rel=0.05)
+
+
+def test_the_split_reads_the_filters_state_as_it_stands():
+    rng = np.random.default_rng(3)
+    f, chain, tree = StepFeatures(1, 1, 200, 200), TreeShape(1, 1, 2), TreeShape(4, 4, 12)
+    model = OnlineCostModel(AnalyticStepTime(), residual_decay=0.05)
+    assert model.split() == PriceSplit(0.0, 0.0, 0.0)
+    for t in range(300):
+        shape = (NO_SPEC, chain, tree)[t % 3]
+        raw, lever = model.raw_ms_many(f, (shape,))[0], model.lever(f, shape)
+        # The machine is 2x the model's time; speculation 1.3x dearer, and 1.5x more per
+        # unit of lever.
+        spec = math.log(1.3) + math.log(1.5) * lever if shape.speculative else 0.0
+        model.observe(f, shape, raw * math.exp(math.log(2.0) + spec + 0.03 * rng.normal()))
+    split = model.split()
+    assert split is model.split()  # one object until the next step
+    assert split.speed_factor == pytest.approx(2.0, rel=0.05)
+    assert split.tilt == pytest.approx(math.log(1.5), abs=0.05)
+    assert split.offset == pytest.approx(math.log(1.3), abs=0.05)
+    assert split.speculation_factor(1.0) == pytest.approx(math.exp(split.offset))
+    # A shape the model prices at e times no speculation's: one unit of lever.
+    assert split.speculation_factor(math.e) == pytest.approx(1.3 * 1.5, rel=0.05)
+    model.observe(f, NO_SPEC, model.raw_ms_many(f, (NO_SPEC,))[0])
+    assert model.split() is not split and model.split().drift < split.drift
 
 
 def test_one_step_without_speculation_reprices_it_against_a_profile_worth_tens_of_steps():

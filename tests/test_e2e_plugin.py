@@ -136,6 +136,14 @@ def test_one_step_row_per_decode_step(adatree, db_url):
     verify_steps = out["meta_info"]["spec_verify_ct"]
     assert verify_steps > 0
     assert len(_steps_since(db_url, started)) == verify_steps
+    # Each row holds how the machine priced steps against the model when it was decided.
+    with get_engine(db_url).connect() as conn:
+        split = conn.execute(
+            select(Step.price_drift, Step.price_tilt, Step.price_offset).where(
+                Step.wall_time >= started
+            )
+        ).all()
+    assert len(split) == verify_steps and all(None not in row for row in split)
 
 
 def test_speculation_after_no_speculation_drafts_from_a_caught_up_draft(adatree, db_url):
@@ -174,6 +182,7 @@ def test_server_info_and_metrics(adatree):
     assert state["adatree_recent_accept_length"] >= 1.0
     # None until the cost model has seen enough steps to tell, then a fraction of a step.
     assert state["adatree_step_noise"] is None or 0.0 < state["adatree_step_noise"] < 5.0
+    assert set(state["adatree_price_split"]) == {"drift", "tilt", "offset"}
     time.sleep(0.5)  # the writer flushes every 50 ms here
     state = adatree.server_info()["internal_states"][0]
     # Every finished step is a row (nothing dropped, rejected or held on a healthy database).

@@ -5,7 +5,7 @@ from synthetic import SyntheticSurface, sample_path_stats, sample_steps
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
-from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel
+from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, PriceSplit
 from sglang_adatree.core.cost_table import CostTable, TableGrid
 from sglang_adatree.core.features import StepFeatures, feature_rows
 from sglang_adatree.core.policy import Decision, Pin, Policy
@@ -39,6 +39,7 @@ def test_no_speculation_when_verification_cost_dominates():
         decision.runner_up,
         decision.runner_up_ms,
         decision.runner_up_emitted,
+        PriceSplit(0.0, 0.0, 0.0),  # nothing measured yet
     )
     assert decision.runner_up is not None and decision.runner_up.speculative
     assert decision.predicted_ms == pytest.approx(0.5 + 0.01 * 8 + 8.0 + 2e-5 * 4000)

@@ -241,11 +241,9 @@ def test_0003_keeps_recorded_steps_and_retires_old_feature_versions(backend, tmp
     _check_migrated(url)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, request):
-    url = _database(backend, tmp_path, request)
-    store.upgrade(url, "0003")
-    engine = store.get_engine(url)
+def _record_one_step(engine, extra: dict[str, str] | None = None) -> None:
+    """A run with one step, by the columns every revision since 0003 has (and ``extra``)."""
+    extra = extra or {}
     with engine.begin() as conn:
         conn.execute(
             text(
@@ -259,11 +257,20 @@ def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, req
                 "INSERT INTO steps (run_id, step_index, wall_time, batch_size, padded_batch_size, "
                 "sum_context_len, max_context_len, steps, topk, num_draft_tokens, "
                 "decision_source, measured_step_ms, measured_accept_len, emitted_tokens, "
-                "drafted_tokens, accepted_tokens, goodput, accepted_by_depth, accepted_by_rank) "
-                "VALUES (1, 0, 2.0, 3, 3, 300, 100, 3, 1, 4, 'model', 9.0, 2.0, 6, 9, 3, 666.0, "
-                "'2,1,0', '3')"
+                "drafted_tokens, accepted_tokens, goodput, accepted_by_depth, accepted_by_rank"
+                + "".join(f", {name}" for name in extra)
+                + ") VALUES (1, 0, 2.0, 3, 3, 300, 100, 3, 1, 4, 'model', 9.0, 2.0, 6, 9, 3, "
+                "666.0, '2,1,0', '3'" + "".join(f", {value}" for value in extra.values()) + ")"
             )
         )
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, request):
+    url = _database(backend, tmp_path, request)
+    store.upgrade(url, "0003")
+    engine = store.get_engine(url)
+    _record_one_step(engine)
     store.upgrade(url)
     _check_migrated(url)
     columns = "batch_size, runner_up, runner_up_step_ms, runner_up_accept_len"
@@ -273,5 +280,24 @@ def test_0004_adds_the_runner_up_and_keeps_recorded_steps(backend, tmp_path, req
     assert store.downgrade(url, "0003") == "0003"
     names = {c["name"] for c in inspect(store.get_engine(url)).get_columns("steps")}
     assert "runner_up" not in names and "batch_size" in names
+    store.upgrade(url)
+    _check_migrated(url)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0005_adds_the_price_split_and_keeps_recorded_steps(backend, tmp_path, request):
+    url = _database(backend, tmp_path, request)
+    store.upgrade(url, "0004")
+    engine = store.get_engine(url)
+    _record_one_step(engine, {"runner_up": "'2,2,4'", "runner_up_step_ms": "10.5"})
+    store.upgrade(url)
+    _check_migrated(url)
+    columns = "runner_up, runner_up_step_ms, price_drift, price_tilt, price_offset"
+    with engine.connect() as conn:
+        step = conn.execute(text(f"SELECT {columns} FROM steps")).one()
+    assert tuple(step) == ("2,2,4", 10.5, None, None, None)
+    assert store.downgrade(url, "0004") == "0004"
+    names = {c["name"] for c in inspect(store.get_engine(url)).get_columns("steps")}
+    assert not names & {"price_drift", "price_tilt", "price_offset"} and "runner_up" in names
     store.upgrade(url)
     _check_migrated(url)

@@ -78,3 +78,23 @@ def test_each_row_records_its_runner_up(tmp_path):
     assert [r.decision_source for r in rows[:3]] == ["warmup", "catch-up", "warmup"]
     held = rows[2]
     assert rows[1].runner_up == "2,2,4" == f"{held.steps},{held.topk},{held.num_draft_tokens}"
+
+
+def test_each_row_records_the_price_split_its_decision_saw(tmp_path):
+    url, writer, _, controller = recording(tmp_path)
+    splits = []
+    for i in range(6):
+        ticket = controller.begin(BatchView(("a",), (100 + i,)))
+        splits.append(ticket.decision.split)
+        # The machine takes twice what the model says: the drift moves step by step.
+        ms = 2.0 * ticket.decision.predicted_ms
+        controller.finish(ticket, outcome(ticket, ms, wall_time=1000.0 + i))
+    assert writer.flush()
+    with get_engine(url).connect() as conn:
+        rows = conn.execute(select(Step).order_by(Step.step_index)).all()
+    writer.close()
+    assert all(s is not None for s in splits)
+    assert [(r.price_drift, r.price_tilt, r.price_offset) for r in rows] == [
+        (s.drift, s.tilt, s.offset) for s in splits
+    ]
+    assert rows[0].price_drift == 0.0 and rows[-1].price_drift > 0.3

@@ -6,7 +6,9 @@ online residual correction, and the acceptance estimator's expected acceptance l
 that carry none are skipped, and so are the steps no cost model learns
 from (``telemetry.learning``: catch-up steps, steps without a measured time). Errors are relative:
 ``|predicted - measured| / measured``; a policy version's error is the mean over its steps
-(MAPE), its bias ``mean(predicted / measured) - 1``.
+(MAPE), its bias ``mean(predicted / measured) - 1``. Beside them, how the machine priced
+steps against the step-time model when they were decided (``cost_model.PriceSplit``: its speed,
+and what speculation costs here against the model's view of it).
 
 Like the shapes page, a long range is cut to its newest ``MAX_SCAN_ROWS`` steps.
 """
@@ -54,6 +56,11 @@ class CostSample:
     measured_ms: np.ndarray  # [points]
     predicted_accept_len: np.ndarray  # [points], NaN where none was predicted
     measured_accept_len: np.ndarray  # [points]
+    # How the machine priced steps against the step-time model (``cost_model.PriceSplit``,
+    # log units), NaN where the step recorded none
+    price_drift: np.ndarray  # [points]
+    price_tilt: np.ndarray  # [points]
+    price_offset: np.ndarray  # [points]
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,11 @@ class CostReport:
                 "version": list(s.version),
                 "predicted_ms": s.predicted_ms.tolist(),
                 "measured_ms": s.measured_ms.tolist(),
-                "predicted_accept_len": [
-                    None if np.isnan(v) else v for v in s.predicted_accept_len.tolist()
-                ],
+                "predicted_accept_len": _nullable(s.predicted_accept_len),
                 "measured_accept_len": s.measured_accept_len.tolist(),
+                "price_drift": _nullable(s.price_drift),
+                "price_tilt": _nullable(s.price_tilt),
+                "price_offset": _nullable(s.price_offset),
             },
             "error_over_time": [
                 {"version": e.version, "time": e.time.tolist(), "mape": e.mape.tolist()}
@@ -156,6 +164,9 @@ def cost_report(
             Step.measured_step_ms,
             Step.predicted_accept_len,
             Step.measured_accept_len,
+            Step.price_drift,
+            Step.price_tilt,
+            Step.price_offset,
         )
         .where(*in_window, Step.step_index % stride == 0)
         .order_by(Step.wall_time)
@@ -174,9 +185,12 @@ def cost_report(
 
 def _sample(rows: list[Any]) -> CostSample:
     table = np.asarray(
-        [(t, pm, mm, np.nan if pa is None else pa, ma) for t, _, pm, mm, pa, ma in rows],
+        [
+            [np.nan if v is None else v for i, v in enumerate(row) if i != 1]  # not the version
+            for row in rows
+        ],
         dtype=np.float64,
-    ).reshape(len(rows), 5)
+    ).reshape(len(rows), 8)
     return CostSample(
         time=table[:, 0],
         version=tuple(version_label(r[1]) for r in rows),
@@ -184,4 +198,12 @@ def _sample(rows: list[Any]) -> CostSample:
         measured_ms=table[:, 2],
         predicted_accept_len=table[:, 3],
         measured_accept_len=table[:, 4],
+        price_drift=table[:, 5],
+        price_tilt=table[:, 6],
+        price_offset=table[:, 7],
     )
+
+
+def _nullable(values: np.ndarray) -> list[float | None]:
+    """``values`` as a JSON list, ``None`` where NaN."""
+    return [None if np.isnan(v) else v for v in values.tolist()]

@@ -36,7 +36,7 @@ from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
 from sglang_adatree.core.cost_model import CostModel
 from sglang_adatree.core.features import StepFeatures
-from sglang_adatree.core.policy import Decision, DecisionSource, Pin
+from sglang_adatree.core.policy import Decision, DecisionSource, Pin, price_split
 from sglang_adatree.core.shapes import NO_SPEC, TreeShape
 
 LABEL = "re-implemented by sglang-adatree"
@@ -175,7 +175,8 @@ class TurboSpecPolicy(_ChainBaseline):
         if self.current is None or step % TURBOSPEC_REFRESH_STEPS == 0:
             shape, ms, emitted = self.choose(features)
             self.current = shape
-            return Decision(shape, self._rule_source(), ms, emitted)
+            split = price_split(self.cost_model)
+            return Decision(shape, self._rule_source(), ms, emitted, split=split)
         return self._decision(features, self.current, self._rule_source())
 
     def observe(
@@ -203,7 +204,8 @@ class TurboSpecPolicy(_ChainBaseline):
         emitted = self.expected_emitted(shape.steps) if shape.is_chain else 1.0
         if shape.speculative and not shape.is_chain:
             emitted = float(shape.max_emitted)  # a pinned tree: TurboSpec has no tree model
-        return Decision(shape, source, self.cost_model.predict_ms(features, shape), emitted)
+        ms = self.cost_model.predict_ms(features, shape)
+        return Decision(shape, source, ms, emitted, split=price_split(self.cost_model))
 
 
 @dataclass
@@ -328,7 +330,8 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         if shape.speculative:
             expected = slot.ema_accept_len if slot is not None else float(shape.steps)
             emitted = 1.0 + min(max(expected, 0.0), float(shape.max_emitted - 1))
-        return Decision(shape, source, self.cost_model.predict_ms(features, shape), emitted)
+        ms = self.cost_model.predict_ms(features, shape)
+        return Decision(shape, source, ms, emitted, split=price_split(self.cost_model))
 
 
 BASELINE_POLICIES: dict[str, type[_ChainBaseline]] = {

@@ -52,6 +52,7 @@ from sglang_adatree.core.policy import (
     DecisionSource,
     Pin,
     Policy,
+    price_split,
     teaches_cost_model,
 )
 from sglang_adatree.core.refit import MeasuredSteps
@@ -286,6 +287,7 @@ class StepController:
                 decision.shape,
                 decision.predicted_ms,
                 decision.predicted_emitted,
+                decision.split,
             )
         skips = (
             self.config.skip_idle_draft_extend
@@ -428,6 +430,7 @@ class StepController:
             "adatree_pins": [str(p.shape) for p in self.policy.pins],
             "adatree_candidate_shapes": [str(s) for s in self.candidate_shapes],
             "adatree_step_noise": self.step_noise,
+            "adatree_price_split": self.price_split,
         }
 
     @property
@@ -438,6 +441,16 @@ class StepController:
         if not isinstance(cost_model, OnlineCostModel):
             return None
         return cost_model.residual.step_noise
+
+    @property
+    def price_split(self) -> dict[str, float] | None:
+        """How the machine prices steps against the step-time model (``PriceSplit``: ``drift``,
+        ``tilt``, ``offset``, log units), as the cost model stands; None under one without a
+        residual correction."""
+        split = price_split(self.policy.cost_model)
+        if split is None:
+            return None
+        return {"drift": split.drift, "tilt": split.tilt, "offset": split.offset}
 
     # -- internals --------------------------------------------------------------------------
 

@@ -260,6 +260,29 @@ class AnalyticStepTime:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(frozen=True)
+class PriceSplit:
+    """How a machine prices steps against the step-time model, as the residual filter
+    estimates it (``ResidualCorrection``), in log units: ``drift``, common to every shape (the
+    machine's speed); ``tilt``, per unit of a shape's lever; ``offset``, for every speculative
+    shape. What makes a server decline speculation that the model, or a profile of another
+    hour, would run."""
+
+    drift: float
+    tilt: float
+    offset: float
+
+    @property
+    def speed_factor(self) -> float:
+        """The machine's step time against the model's, for no speculation."""
+        return math.exp(self.drift)
+
+    def speculation_factor(self, ratio: float) -> float:
+        """How many times dearer against no speculation than the model says a shape is here,
+        that the model prices at ``ratio`` times no speculation's time."""
+        return math.exp(self.offset + math.log(ratio) * self.tilt)
+
+
 def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
     """Mean absolute percentage error as a fraction (0.05 = 5%)."""
     measured = np.asarray(measured, dtype=np.float64)
@@ -309,6 +332,7 @@ class ResidualCorrection:
         self._cached_spec: list[float] = []  # [shapes] 1.0 for a speculative shape
         self._cached_at: list[int] = []  # [shapes] positions
         self._cached_factors: list[float] = []  # [shapes] the corrections
+        self._split: PriceSplit | None = None  # the last ``split``, until an update
 
     def _at(self, shape: TreeShape) -> int:
         i = self._position.get(shape)
@@ -371,6 +395,7 @@ class ResidualCorrection:
                 cov_k[m] -= gain * row[m]
         self._measured[shape] = self._measured.get(shape, 0) + 1
         self._levers_given = None  # the kept factors are stale: ``factors`` recomputes them
+        self._split = None
 
     def _profile_var(self, error: float) -> float:
         """A profile-priced part's variance, in noise units, before its shape is measured."""
@@ -396,6 +421,13 @@ class ResidualCorrection:
         if self._noise_steps < NOISE_SETTLED:
             return None
         return math.sqrt(self.noise_var)
+
+    def split(self) -> PriceSplit:
+        """The drift, the tilt and the offset as they stand (one object until an update)."""
+        split = self._split
+        if split is None:
+            split = self._split = PriceSplit(self._x[0], self._x[1], self._x[2])
+        return split
 
     @property
     def tilt(self) -> float:
@@ -560,6 +592,11 @@ class OnlineCostModel:
     def observe(self, features: StepFeatures, shape: TreeShape, measured_ms: float) -> None:
         """Pull the prediction for ``shape`` towards ``measured_ms``."""
         self.residual.update(shape, measured_ms, *self._raw_and_lever(features, shape))
+
+    def split(self) -> PriceSplit:
+        """How this machine prices steps against the step-time model, as the residual
+        correction stands (``PriceSplit``)."""
+        return self.residual.split()
 
     def replay(
         self,

@@ -83,7 +83,7 @@ from sglang_adatree.core.acceptance import (
     RequestAcceptance,
     host_lists,
 )
-from sglang_adatree.core.cost_model import CostModel
+from sglang_adatree.core.cost_model import CostModel, PriceSplit
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import TreeShape
 
@@ -138,6 +138,16 @@ class Decision:
     runner_up: TreeShape | None = None
     runner_up_ms: float | None = None
     runner_up_emitted: float | None = None
+    # How the machine priced steps against the step-time model when the step was decided
+    # (the cost model's residual correction); None under a cost model without one.
+    split: PriceSplit | None = None
+
+
+def price_split(cost_model: object) -> PriceSplit | None:
+    """``cost_model``'s ``PriceSplit`` as it stands; None for one without a residual
+    correction (the lab's true step times)."""
+    split = getattr(cost_model, "split", None)
+    return None if split is None else split()
 
 
 @dataclass(frozen=True)
@@ -375,8 +385,9 @@ class Policy:
         goodput = [e / t for e, t in zip(emitted, times, strict=True)]  # [candidates]
         goodput[i] = -math.inf
         j = goodput.index(max(goodput))
+        split = price_split(self.cost_model)
         if j == i:  # a single candidate
-            return Decision(shape, source, times[i], emitted[i])
+            return Decision(shape, source, times[i], emitted[i], split=split)
         return Decision(
-            shape, source, times[i], emitted[i], self.candidates[j], times[j], emitted[j]
+            shape, source, times[i], emitted[i], self.candidates[j], times[j], emitted[j], split
         )

@@ -110,6 +110,10 @@ class Step(Base):
     runner_up: Mapped[str | None] = mapped_column(String(32))  # "S,K,N" priced next best
     runner_up_step_ms: Mapped[float | None] = mapped_column(Double)
     runner_up_accept_len: Mapped[float | None] = mapped_column(Double)
+    # ``cost_model.PriceSplit`` when the step was decided, log units
+    price_drift: Mapped[float | None] = mapped_column(Double)
+    price_tilt: Mapped[float | None] = mapped_column(Double)
+    price_offset: Mapped[float | None] = mapped_column(Double)
     accepted_by_depth: Mapped[str] = mapped_column(String(255))  # "12,7,3": depth 1, 2, 3
     accepted_by_rank: Mapped[str] = mapped_column(String(255))  # "15,5,2": sibling rank 1, 2, 3
 

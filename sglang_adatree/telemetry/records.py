@@ -4,7 +4,7 @@
 Both are frozen, slotted dataclasses. The decode loop builds a ``StepRecord`` every step, so it
 holds plain Python numbers and tuples only (no tensors, nothing that needs a device sync), and
 everything else (encoding ``accepted_by_depth``, building database rows) happens on the writer
-thread. Building one costs about 5 us on this CPU: a frozen dataclass sets each of its 22 fields
+thread. Building one costs a few microseconds: a frozen dataclass sets each of its fields
 through ``object.__setattr__``.
 
 Words as in the package glossary: *emitted tokens* are accepted draft tokens plus one bonus token
@@ -58,6 +58,11 @@ class StepRecord:
     runner_up: str | None = None
     runner_up_step_ms: float | None = None
     runner_up_accept_len: float | None = None
+    # How the machine priced steps against the step-time model when the step was decided
+    # (``cost_model.PriceSplit``, log units); None under a cost model without a correction.
+    price_drift: float | None = None
+    price_tilt: float | None = None
+    price_offset: float | None = None
     accepted_by_depth: tuple[int, ...] = ()
     accepted_by_rank: tuple[int, ...] = ()
 

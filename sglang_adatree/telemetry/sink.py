@@ -24,6 +24,7 @@ class TelemetrySink:
         decision = ticket.decision
         features = ticket.features
         shape = decision.shape
+        split = decision.split
         self.writer.record(
             StepRecord(
                 run_id=self.run_id,
@@ -49,6 +50,9 @@ class TelemetrySink:
                 runner_up=None if decision.runner_up is None else str(decision.runner_up),
                 runner_up_step_ms=decision.runner_up_ms,
                 runner_up_accept_len=decision.runner_up_emitted,
+                price_drift=None if split is None else split.drift,
+                price_tilt=None if split is None else split.tilt,
+                price_offset=None if split is None else split.offset,
                 accepted_by_depth=report.accepted_by_depth,
                 accepted_by_rank=report.accepted_by_rank,
             )

@@ -173,6 +173,14 @@ def test_shapes_and_cost_model_pages_draw_their_figures(page):
     page.wait_for_selector("#cost-step-time .main-svg")
     names = [t["name"] for t in traces(page, "cost-step-time")]
     assert names == ["fallback", "v1", "v2", "predicted = measured"]
+    page.wait_for_selector("#cost-split .main-svg")
+    drawn = traces(page, "cost-split")
+    assert [t["name"] for t in drawn] == [
+        "no speculation's time",
+        "a shape at 1.25x no speculation's, against it",
+        "a shape at 2x no speculation's, against it",
+    ]
+    assert all(t["points"] > 100 for t in drawn), drawn
     shot(page, "cost-model")
 
 
