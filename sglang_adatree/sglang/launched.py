@@ -27,7 +27,8 @@ class LaunchedStep:
     on the CPU."""
 
     ticket: StepTicket
-    started: float  # perf_counter seconds
+    # perf_counter seconds the step's time counts from (``step_period_start``)
+    started: float
     finished: float | None  # perf_counter seconds; None on GPUs (read the events)
     start_event: Any  # device events bracketing the step on GPUs; None on CPUs
     end_event: Any
@@ -39,6 +40,22 @@ class LaunchedStep:
             return float(self.start_event.elapsed_time(self.end_event))
         assert self.finished is not None
         return (self.finished - self.started) * 1000.0
+
+
+def step_period_start(started: float, finished: float, previous_end: float | None) -> float:
+    """When a CPU decode step's time counts from: the end of the decode step before it, when
+    they ran back to back, else its own start (perf_counter seconds).
+
+    Between two decode steps the scheduler processes the first one's results (streaming them
+    out) and prepares the second's batch: about as much host time a step whatever its shape,
+    which a step without speculation spends per token and a tree shares over the tokens it
+    emits. Left out of the measured time, it priced plain decoding low against speculation by
+    that much (docs/results.md). A prefill in between breaks the chain (the worker's
+    ``_forward``), and a gap longer than the step itself is not taken for host work (the
+    scheduler waited)."""
+    if previous_end is None or not previous_end <= started:
+        return started
+    return previous_end if started - previous_end <= finished - started else started
 
 
 def finish_on_resolved_tokens(

@@ -44,7 +44,7 @@ from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.controller import BatchView, StepOutcome, plan_on_every_rank
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding
 from sglang_adatree.core.shapes import TreeShape, envelope
-from sglang_adatree.sglang.launched import LAUNCHED_ATTR, LaunchedStep
+from sglang_adatree.sglang.launched import LAUNCHED_ATTR, LaunchedStep, step_period_start
 from sglang_adatree.sglang.plain_step import plain_decode_step, runs_as_plain_decode
 from sglang_adatree.sglang.profiling import StepProfiler
 from sglang_adatree.sglang.serving import ServingLoop, create_serving_loop
@@ -148,6 +148,9 @@ class AdaTreeWorkerMixin:
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._profiler = StepProfiler()
         self._plain_decode_steps = 0  # steps without speculation served as a plain decode
+        # On a CPU, when the last decode step ended (perf_counter seconds); None once any
+        # other forward (a prefill) ran since, or before the first (``_decode_step``).
+        self._decode_ended: float | None = None
         # Rank 0's controller, telemetry and poller, made once the graphs (and with them the
         # padded batch sizes) exist; None on the other ranks.
         self._loop: ServingLoop | None = None
@@ -302,10 +305,13 @@ class AdaTreeWorkerMixin:
         return None
 
     def _decode_step(self, run_step: Any, batch: Any, on_publish: Any = None) -> Any:
-        # On a CPU the step's wall time, decision and bookkeeping included, is its cost; on a
-        # GPU, device events bracket the step's work without a sync.
+        # On a CPU the step's wall time, decision and bookkeeping included, is its cost, and
+        # so is the scheduler's host work since the decode step before it when the two ran
+        # back to back (``launched.step_period_start``); on a GPU, device events bracket the step's
+        # work without a sync.
         self._profiler.begin()
         started = time.perf_counter()
+        previous_end, self._decode_ended = self._decode_ended, None
         # Request ids and context lengths are host memory, identical on every rank.
         view = BatchView(
             tuple(r.rid for r in batch.reqs),
@@ -362,6 +368,8 @@ class AdaTreeWorkerMixin:
         finished = None
         if end_event is None:
             finished = time.perf_counter()
+            self._decode_ended = finished
+            started = step_period_start(started, finished, previous_end)
             if self._profiler.enabled:
                 emitted = None  # per request, the batch's mean: accepted draft tokens + 1
                 if shape.speculative and getattr(output, "accept_lens", None) is not None:
@@ -414,6 +422,8 @@ def _to_host(stats: AcceptedPathStats) -> AcceptedPathStats:
 def _forward(self: Any, base: type, batch: Any, **kwargs: Any) -> Any:
     is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
     if not is_decode or batch.forward_mode.is_idle():
+        # The next decode step's time does not reach back over this forward.
+        self._decode_ended = None
         return base.forward_batch_generation(self, batch, **kwargs)
     return self._decode_step(
         lambda: base.forward_batch_generation(self, batch, **kwargs),
