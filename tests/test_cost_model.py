@@ -246,12 +246,9 @@ def test_the_split_reads_the_filters_state_as_it_stands():
         model.observe(f, shape, raw * math.exp(math.log(2.0) + spec + 0.03 * rng.normal()))
     split = model.split()
     assert split is model.split()  # one object until the next step
-    assert split.speed_factor == pytest.approx(2.0, rel=0.05)
+    assert math.exp(split.drift) == pytest.approx(2.0, rel=0.05)
     assert split.tilt == pytest.approx(math.log(1.5), abs=0.05)
     assert split.offset == pytest.approx(math.log(1.3), abs=0.05)
-    assert split.speculation_factor(1.0) == pytest.approx(math.exp(split.offset))
-    # A shape the model prices at e times no speculation's: one unit of lever.
-    assert split.speculation_factor(math.e) == pytest.approx(1.3 * 1.5, rel=0.05)
     model.observe(f, NO_SPEC, model.raw_ms_many(f, (NO_SPEC,))[0])
     assert model.split() is not split and model.split().drift < split.drift
 

@@ -266,21 +266,13 @@ class PriceSplit:
     estimates it (``ResidualCorrection``), in log units: ``drift``, common to every shape (the
     machine's speed); ``tilt``, per unit of a shape's lever; ``offset``, for every speculative
     shape. What makes a server decline speculation that the model, or a profile of another
-    hour, would run."""
+    hour, would run: here no speculation takes ``exp(drift)`` times the model's time, and a
+    shape the model prices at ``r`` times no speculation's is ``exp(offset + ln(r) * tilt)``
+    times dearer against no speculation than the model says."""
 
     drift: float
     tilt: float
     offset: float
-
-    @property
-    def speed_factor(self) -> float:
-        """The machine's step time against the model's, for no speculation."""
-        return math.exp(self.drift)
-
-    def speculation_factor(self, ratio: float) -> float:
-        """How many times dearer against no speculation than the model says a shape is here,
-        that the model prices at ``ratio`` times no speculation's time."""
-        return math.exp(self.offset + math.log(ratio) * self.tilt)
 
 
 def mape(predicted: np.ndarray, measured: np.ndarray) -> float:

@@ -307,8 +307,8 @@ class AdaTreeWorkerMixin:
     def _decode_step(self, run_step: Any, batch: Any, on_publish: Any = None) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost, and
         # so is the scheduler's host work since the decode step before it when the two ran
-        # back to back (``launched.step_period_start``); on a GPU, device events bracket the step's
-        # work without a sync.
+        # back to back (``launched.step_period_start``); on a GPU, device events bracket the
+        # step's work without a sync.
         self._profiler.begin()
         started = time.perf_counter()
         previous_end, self._decode_ended = self._decode_ended, None

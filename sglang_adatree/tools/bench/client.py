@@ -85,7 +85,7 @@ class RequestResult:
     @property
     def tpot_ms(self) -> float | None:
         """Time per output token after the first: the stream's steady TPOT where it had one
-        (``Streamed.steady_tpot_ms``: policies compared against `ar` then count the same steps),
+        (``Streamed.steady_tpot_ms``: policies compared against ``ar`` then count the same steps),
         else (latency - TTFT) / (output tokens - 1); None with fewer than two tokens."""
         return tpot_ms(self.ttft_ms, self.latency_ms, self.output_tokens, self.steady_tpot_ms)
 
