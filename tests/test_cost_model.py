@@ -225,7 +225,7 @@ def test_a_machine_that_splits_its_time_otherwise_reprices_no_speculation_unrun(
     assert model.lever(f, chain) > 0.1 and model.lever(f, tree) > 2.0 * model.lever(f, chain)
     plain = model.raw_ms_many(f, (NO_SPEC,))[0]
     assert model.predict_ms(f, NO_SPEC) == pytest.approx(plain, rel=0.05)
-    assert model.residual.tilt == pytest.approx(tilt, rel=0.15)
+    assert model.split().tilt == pytest.approx(tilt, rel=0.15)
     assert drift_only.factor(NO_SPEC) > math.exp(0.8 * tilt * model.lever(f, chain))
     for shape in (chain, tree):
         truth = model.raw_ms_many(f, (shape,))[0] * math.exp(tilt * model.lever(f, shape))
@@ -274,7 +274,7 @@ def test_one_step_without_speculation_reprices_it_against_a_profile_worth_tens_o
     model.observe(f, NO_SPEC, plain)
     run(100)
     assert model.predict_ms(f, NO_SPEC) == pytest.approx(plain, rel=0.1)
-    assert model.residual.offset > 0.2
+    assert model.split().offset > 0.2
     for tree in trees:
         cost = 1.6 * model.raw_ms_many(f, (tree,))[0]
         assert model.predict_ms(f, tree) == pytest.approx(cost, rel=0.1)
@@ -356,8 +356,8 @@ def test_the_filter_is_the_matrix_kalman_filter(profile_error):
         lever = float(rng.uniform(0.1, 0.8)) if shape.speculative else 0.0
         steps.append((shape, float(rng.uniform(20, 80)), float(rng.uniform(20, 80)), lever))
     residual, x, order = _kalman_reference(steps, 0.05, profile_error)
-    assert residual.tilt == pytest.approx(x[1], rel=1e-9, abs=1e-12)
-    assert residual.offset == pytest.approx(x[2], rel=1e-9, abs=1e-12)
+    assert residual.split().tilt == pytest.approx(x[1], rel=1e-9, abs=1e-12)
+    assert residual.split().offset == pytest.approx(x[2], rel=1e-9, abs=1e-12)
     for j, shape in enumerate(order):
         lever = 0.3 if shape.speculative else 0.0
         spec = x[2] if shape.speculative else 0.0

@@ -38,6 +38,7 @@ Tensor parallelism: only rank 0 holds a controller; ``plan_on_every_rank`` broad
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -448,9 +449,7 @@ class StepController:
         ``tilt``, ``offset``, log units), as the cost model stands; None under one without a
         residual correction."""
         split = price_split(self.policy.cost_model)
-        if split is None:
-            return None
-        return {"drift": split.drift, "tilt": split.tilt, "offset": split.offset}
+        return None if split is None else dataclasses.asdict(split)
 
     # -- internals --------------------------------------------------------------------------
 

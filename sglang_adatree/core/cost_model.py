@@ -264,8 +264,9 @@ class AnalyticStepTime:
 class PriceSplit:
     """How a machine prices steps against the step-time model, as the residual filter
     estimates it (``ResidualCorrection``), in log units: ``drift``, common to every shape (the
-    machine's speed); ``tilt``, per unit of a shape's lever; ``offset``, for every speculative
-    shape. What makes a server decline speculation that the model, or a profile of another
+    machine's speed); ``tilt``, how much dearer (above 0) or cheaper each unit of a shape's
+    lever is; ``offset``, how much dearer or cheaper every speculative shape is against no
+    speculation. What makes a server decline speculation that the model, or a profile of another
     hour, would run: here no speculation takes ``exp(drift)`` times the model's time, and a
     shape the model prices at ``r`` times no speculation's is ``exp(offset + ln(r) * tilt)``
     times dearer against no speculation than the model says."""
@@ -420,18 +421,6 @@ class ResidualCorrection:
         if split is None:
             split = self._split = PriceSplit(self._x[0], self._x[1], self._x[2])
         return split
-
-    @property
-    def tilt(self) -> float:
-        """How much dearer (above 0) or cheaper each unit of a shape's lever is on this machine
-        than the step-time model says, in log units."""
-        return self._x[1]
-
-    @property
-    def offset(self) -> float:
-        """How much dearer (above 0) or cheaper every speculative shape is against no
-        speculation on this machine than the step-time model says, in log units."""
-        return self._x[2]
 
     def factor(self, shape: TreeShape, lever: float = 0.0) -> float:
         i = self._position.get(shape)
