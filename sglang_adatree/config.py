@@ -147,6 +147,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 0.5,
     ),
     Setting(
+        "new_batch_probe",
+        True,
+        "true / false",
+        "a new batch whose speculation is predicted to lose still speculates when what its "
+        "first steps would tell about its requests (the spread between the requests before) "
+        "is worth the loss",
+        _bool,
+    ),
+    Setting(
         "explore_fraction",
         0.02,
         "[0, 0.5]",
@@ -328,6 +337,7 @@ class AdaTreeConfig:
     no_spec_margin: float = DEFAULTS["no_spec_margin"]
     new_batch_steps: int = DEFAULTS["new_batch_steps"]
     new_batch_max_loss: float = DEFAULTS["new_batch_max_loss"]
+    new_batch_probe: bool = DEFAULTS["new_batch_probe"]
     explore_fraction: float = DEFAULTS["explore_fraction"]
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
     explore_seed: int = DEFAULTS["explore_seed"]

@@ -134,6 +134,38 @@ def test_a_new_batch_speculates_unless_predicted_to_lose_more_than_its_max_loss(
     assert policy.decide(batch(1), ["a"]).shape == NO_SPEC  # a continuing batch: it must pay
 
 
+def requests_served(policy: Policy, factors, steps: int = 20) -> None:
+    """Requests one after another, each accepting ``factor`` times the estimator's expectation
+    on every verify step, then leaving."""
+    for i, factor in enumerate(factors):
+        for _ in range(steps):
+            policy.requests.observe([f"old{i}"], [factor], expected=1.0)
+        policy.requests.close([f"old{i}"])
+
+
+@pytest.mark.parametrize(
+    ("gain", "factors", "settings", "probes"),
+    [
+        (-0.02, [0.5, 1.5] * 10, {}, True),  # requests far apart: a close call is worth probing
+        (-0.02, [1.0] * 20, {}, False),  # requests alike: their first steps tell nothing new
+        (-0.30, [0.5, 1.5] * 10, {}, False),  # too dear for what they would tell
+        (-0.02, [0.5, 1.5] * 10, {"new_batch_probe": False}, False),
+        (-0.02, [0.5, 1.5], {}, False),  # too few requests have left to tell the spread
+    ],
+)
+def test_a_new_batch_probes_when_its_requests_may_differ_enough(gain, factors, settings, probes):
+    chain = TreeShape(1, 1, 2)
+    policy = chain_gaining(gain, new_batch_steps=2, **settings)
+    requests_served(policy, factors)
+    decision = policy.decide(batch(1), ["new"])
+    expected = (chain, "probe") if probes else (NO_SPEC, "fallback")
+    assert (decision.shape, decision.source) == expected
+    policy.current = NO_SPEC
+    assert policy.decide(batch(1), ["new"]).shape == decision.shape  # its second step
+    # Its third: a continuing batch, decided by the margin against its own steps.
+    assert policy.decide(batch(1), ["new"]).shape == NO_SPEC
+
+
 def test_a_new_batch_is_new_for_its_first_new_batch_steps():
     chain = TreeShape(1, 1, 2)
     policy = chain_gaining(0.06, new_batch_steps=3)

@@ -67,7 +67,7 @@ observations holds the same ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -447,11 +447,31 @@ class AcceptanceEstimator:
         return layers
 
 
+SPREAD_KEEP = 0.95  # the weight a departed request keeps per later departure
+SPREAD_MIN_REQUESTS = 3.0
+
+
 @dataclass
 class _RequestEvidence:
     ratio_sum: float = 0.0  # decayed sum of accepted / expected accepted over verify steps
     weight: float = 0.0  # decayed number of those steps
     seen: int = 0  # the observation counter when last seen
+    verified: int = 0  # verify steps, undecayed
+    ratio_total: float = 0.0  # undecayed sum of the ratios
+    ratio_squares: float = 0.0  # undecayed sum of their squares
+    steps: int = 0  # decode steps, speculative or not
+    closed: bool = False  # counted in the spread between requests
+
+
+@dataclass(frozen=True)
+class RequestSpread:
+    """How far a new request's acceptance factor may sit from the estimator's, as the requests
+    that left showed it: ``between`` the variance of their true factors, ``within`` the
+    variance of one verify step's ratio inside a request, ``steps`` their mean decode steps."""
+
+    between: float
+    within: float
+    steps: float
 
 
 class RequestAcceptance:
@@ -480,6 +500,10 @@ class RequestAcceptance:
         self.max_requests = max_requests
         self._evidence: dict[str, _RequestEvidence] = {}
         self._counter = 0
+        # Over the requests that left, each older one's weight kept SPREAD_KEEP per request:
+        # [requests, requests with two verify steps, sum of means, of squared means, of the
+        # means' sampling variances, of the within variances, of decode steps].
+        self._spread = [0.0] * 7
 
     def factor(self, request_id: str) -> float:
         e = self._evidence.get(request_id)
@@ -505,9 +529,14 @@ class RequestAcceptance:
             e = self._evidence.get(request_id)
             if e is None:
                 e = self._evidence[request_id] = _RequestEvidence()
-            e.ratio_sum = self.keep * e.ratio_sum + a / expected
+            ratio = a / expected
+            e.ratio_sum = self.keep * e.ratio_sum + ratio
             e.weight = self.keep * e.weight + 1.0
             e.seen = self._counter
+            e.verified += 1
+            e.ratio_total += ratio
+            e.ratio_squares += ratio * ratio
+            e.steps += 1
         self._forget_departed()
 
     def age(self, request_ids: Sequence[str]) -> None:
@@ -515,10 +544,46 @@ class RequestAcceptance:
         self._counter += 1
         for request_id in request_ids:
             e = self._evidence.get(request_id)
-            if e is not None:
-                e.ratio_sum *= self.keep
-                e.weight *= self.keep
-                e.seen = self._counter
+            if e is None:
+                e = self._evidence[request_id] = _RequestEvidence()
+            e.ratio_sum *= self.keep
+            e.weight *= self.keep
+            e.seen = self._counter
+            e.steps += 1
+        self._forget_departed()
+
+    def close(self, request_ids: Iterable[str]) -> None:
+        """``request_ids`` left the batch: their whole answers join the spread between
+        requests (once each; their evidence stays, should one come back)."""
+        k, t = SPREAD_KEEP, self._spread
+        for request_id in request_ids:
+            e = self._evidence.get(request_id)
+            if e is None or e.closed:
+                continue
+            e.closed = True
+            t[0] = k * t[0] + 1.0
+            t[6] = k * t[6] + e.steps
+            if e.verified < 2:
+                continue
+            n = e.verified
+            mean = e.ratio_total / n
+            within = max(e.ratio_squares - n * mean * mean, 0.0) / (n - 1)
+            t[1] = k * t[1] + 1.0
+            t[2] = k * t[2] + mean
+            t[3] = k * t[3] + mean * mean
+            t[4] = k * t[4] + within / n
+            t[5] = k * t[5] + within
+
+    def spread(self) -> RequestSpread | None:
+        """The spread between the requests that left; None before SPREAD_MIN_REQUESTS of them
+        verified two steps."""
+        t = self._spread
+        w = t[1]
+        if w < SPREAD_MIN_REQUESTS:
+            return None
+        mean = t[2] / w
+        between = max(t[3] / w - mean * mean - t[4] / w, 0.0)
+        return RequestSpread(between, t[5] / w, t[6] / t[0])
 
     def _forget_departed(self) -> None:
         if len(self._evidence) > self.max_requests:

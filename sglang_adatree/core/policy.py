@@ -47,7 +47,12 @@ step time``. Each step, in order of precedence:
    easy requests after them without speculation too (until exploration measured them). A bounded
    predicted loss on a few steps a request keeps it measuring, at the price of those steps where
    speculation does not pay: off by default, since where speculation barely pays the served
-   probes cost more than they found (``docs/results.md``). Leaving no speculation costs a
+   probes cost more than they found (``docs/results.md``). What a probe is worth depends on
+   how far the new requests may sit from the estimate, which the requests before them measure
+   (``RequestAcceptance.spread``): with ``new_batch_probe`` a new batch speculates at a
+   predicted loss (``PROBE``) when the gain of deciding the rest of its requests' steps on
+   what its first steps measure outweighs that loss (``_probe_shape``). Where requests accept
+   alike, or speculation is far from paying, it does not probe. Leaving no speculation costs a
    catch-up step only for requests it served; a new batch's drafts are up to date after their
    prefill. Carried across requests, the margin and the hysteresis together would keep a server
    at concurrency 1 without speculation until a predicted gain of about 8%: a deployment where
@@ -95,6 +100,9 @@ class DecisionSource(StrEnum):
     MODEL = "model"
     FALLBACK = "fallback"
     EXPLORE = "explore"
+    # A new batch's step that speculates although speculating is predicted to lose: what it
+    # measures of the batch's requests is worth the loss (``Policy._probe_shape``).
+    PROBE = "probe"
     WARMUP = "warmup"
     # A step without speculation that runs the draft's extend, so that the speculative decision
     # after it drafts from a caught-up draft (``controller.StepController``).
@@ -240,6 +248,9 @@ class Policy:
         # Without request ids a batch cannot be told new: it is decided as a continuing one.
         if request_ids and self._last_batch.isdisjoint(request_ids):
             self._new_batch_left = self.config.new_batch_steps
+        if request_ids and self._last_batch:
+            self.requests.close(self._last_batch.difference(request_ids))
+        probe_steps = self._new_batch_left
         new_batch = bool(request_ids) and self._new_batch_left > 0
         self._new_batch_left = max(self._new_batch_left - 1, 0)
         self._last_batch = frozenset(request_ids)
@@ -259,12 +270,54 @@ class Policy:
             current = self._index.get(self.current)
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
+        source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
+        if new_batch and self.config.new_batch_probe and not self.candidates[best].speculative:
+            probe = self._probe_shape(score, emitted, len(request_ids), probe_steps)
+            if probe is not None:
+                best, source = self._index[probe], DecisionSource.PROBE
         if self._explores(step - self._warmup_end):
             explored = self._explored(np.divide(emitted, times), best)
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
-        source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
         return self._decision(self.current, source, times, emitted)
+
+    def _probe_shape(
+        self, score: list[float], emitted: list[float], batch: int, steps: int
+    ) -> TreeShape | None:
+        """The speculative shape a new batch of ``batch`` requests runs although speculating is
+        predicted to lose, when what its next ``steps`` steps would tell about its requests is
+        worth that loss over the rest of its requests' steps; None when it is not.
+
+        The batch's mean factor differs from the estimator's by the spread between requests
+        (``RequestAcceptance.spread``), divided by the batch size. ``steps`` verify steps
+        resolve the part of it their noise leaves: the spread of its posterior mean,
+        ``between / sqrt(between + within / steps)``. Goodput against no speculation moves
+        with the factor by ``slope``, so the gain of deciding the rest of the requests' steps
+        knowing it is an option on a normal variable (the expected positive part of the gain);
+        the probe pays when that, over the steps a request has left, outweighs the predicted
+        loss of the probing steps. With no spread it never probes: a batch then speculates only
+        if speculating is predicted to pay."""
+        spread = self.requests.spread()
+        if spread is None or spread.between <= 0.0 or steps <= 0:
+            return None
+        speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
+        if not speculative:
+            return None
+        j = max(speculative, key=score.__getitem__)  # the first of equals
+        plain = max(score[i] for i, s in enumerate(self.candidates) if not s.speculative)
+        gain = score[j] / plain - 1.0  # < 0 here: predicted to lose
+        between = spread.between / batch
+        resolved = between / math.sqrt(between + spread.within / (batch * steps))
+        slope = (1.0 + gain) * (emitted[j] - 1.0) / emitted[j]
+        sd = slope * resolved
+        if sd <= 0.0:
+            return None
+        z = gain / sd
+        option = gain * 0.5 * math.erfc(-z / math.sqrt(2.0)) + sd * math.exp(
+            -0.5 * z * z
+        ) / math.sqrt(2.0 * math.pi)
+        rest = max(spread.steps - steps, 0.0)
+        return self.candidates[j] if steps * gain + rest * option > 0.0 else None
 
     def predictions(
         self, features: StepFeatures, request_ids: Sequence[str] = ()

@@ -261,6 +261,7 @@ _KINDS = {
     DecisionSource.MODEL: "chosen",
     DecisionSource.FALLBACK: "chosen",
     DecisionSource.EXPLORE: "explored",
+    DecisionSource.PROBE: "explored",
 }
 
 
