@@ -15,6 +15,14 @@ def test_a_request_factor_is_its_ratio_shrunk_towards_one():
     assert requests.factor("a") == pytest.approx((1 + 2) / (0.5 + 2))
 
 
+def test_a_request_never_verified_is_the_estimators_even_without_a_prior():
+    requests = RequestAcceptance(prior_steps=0.0, keep=0.8)
+    requests.age(["a"])
+    assert requests.factor("a") == 1.0
+    requests.observe(["a"], [3], expected=2.0)
+    assert requests.factor("a") == pytest.approx(1.5)
+
+
 def served(requests: RequestAcceptance, factors, steps: int, rng) -> None:
     """One request after another, each accepting ``factor`` times the expected on average with
     per-step noise, then leaving."""

@@ -507,7 +507,7 @@ class RequestAcceptance:
 
     def factor(self, request_id: str) -> float:
         e = self._evidence.get(request_id)
-        if e is None:
+        if e is None or e.weight + self.prior_steps <= 0.0:  # nothing verified, no prior
             return 1.0
         return (e.ratio_sum + self.prior_steps) / (e.weight + self.prior_steps)
 
