@@ -15,7 +15,8 @@ Glossary (the same words are used in code, database columns, API fields and char
 * acceptance length: mean emitted tokens per request per verify step.
 * goodput: emitted tokens per second of step time (batch total).
 * decision source: why a shape was chosen: ``pin``, ``model``, ``fallback``, ``explore``,
-  ``warmup``, ``catch-up`` (the draft's extend before speculating again).
+  ``probe`` (a new batch speculating at a predicted loss for what it measures), ``warmup``,
+  ``catch-up`` (the draft's extend before speculating again).
 * policy version: one trained cost model + acceptance prior, stored with its validation metrics.
 """
 

@@ -448,7 +448,7 @@ class AcceptanceEstimator:
 
 
 SPREAD_KEEP = 0.95  # the weight a departed request keeps per later departure
-SPREAD_MIN_REQUESTS = 3.0
+SPREAD_MIN_REQUESTS = 3.0  # of those weights, over requests that verified two steps (four)
 
 
 @dataclass
@@ -490,6 +490,10 @@ class RequestAcceptance:
     step would (``age``): a factor pulled down by an unlucky streak would otherwise price every
     tree out for the rest of the request, and a request served without speculation measures
     nothing that could lift it again.
+
+    A request that leaves the batch (``close``) joins the spread between requests (``spread``):
+    how far a new request's factor may sit from 1, which prices what a new request's first
+    steps would tell (``policy.Policy``'s probe).
     """
 
     def __init__(self, prior_steps: float, keep: float, max_requests: int = 4096) -> None:
@@ -540,7 +544,8 @@ class RequestAcceptance:
         self._forget_departed()
 
     def age(self, request_ids: Sequence[str]) -> None:
-        """One step that verified nothing for ``request_ids``: their evidence keeps ``keep``."""
+        """One step that verified nothing for ``request_ids``: their evidence keeps ``keep``,
+        and the step counts among their decode steps."""
         self._counter += 1
         for request_id in request_ids:
             e = self._evidence.get(request_id)
@@ -575,8 +580,9 @@ class RequestAcceptance:
             t[5] = k * t[5] + within
 
     def spread(self) -> RequestSpread | None:
-        """The spread between the requests that left; None before SPREAD_MIN_REQUESTS of them
-        verified two steps."""
+        """The spread between the requests that left (a method of moments: the variance of
+        their mean ratios less the mean sampling variance of those means); None until the
+        weight of those that verified two steps reaches SPREAD_MIN_REQUESTS."""
         t = self._spread
         w = t[1]
         if w < SPREAD_MIN_REQUESTS:
