@@ -78,6 +78,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from statistics import NormalDist
 
 import numpy as np
 
@@ -176,6 +177,9 @@ class Pin:
     def covers(self, batch_size: int) -> bool:
         lo, hi = self.min_batch_size, self.max_batch_size
         return (lo is None or batch_size >= lo) and (hi is None or batch_size <= hi)
+
+
+_STANDARD_NORMAL = NormalDist()
 
 
 class Policy:
@@ -289,9 +293,9 @@ class Policy:
         worth that loss over the rest of its requests' steps; None when it is not.
 
         The batch's mean factor differs from the estimator's by the spread between requests
-        (``RequestAcceptance.spread``), divided by the batch size. ``steps`` verify steps
-        resolve the part of it their noise leaves: the spread of its posterior mean,
-        ``between / sqrt(between + within / steps)``. Goodput against no speculation moves
+        (``RequestAcceptance.spread``), divided by the batch size (``b``). ``steps`` verify
+        steps resolve the part of it their noise leaves: the spread of its posterior mean,
+        ``b / sqrt(b + within / (batch * steps))``. Goodput against no speculation moves
         with the factor by ``slope``, so the gain of deciding the rest of the requests' steps
         knowing it is an option on a normal variable (the expected positive part of the gain);
         the probe pays when that, over the steps a request has left, outweighs the predicted
@@ -313,9 +317,8 @@ class Policy:
         if sd <= 0.0:
             return None
         z = gain / sd
-        option = gain * 0.5 * math.erfc(-z / math.sqrt(2.0)) + sd * math.exp(
-            -0.5 * z * z
-        ) / math.sqrt(2.0 * math.pi)
+        # E[max(0, gain + sd * Z)] for a standard normal Z.
+        option = gain * _STANDARD_NORMAL.cdf(z) + sd * _STANDARD_NORMAL.pdf(z)
         rest = max(spread.steps - steps, 0.0)
         return self.candidates[j] if steps * gain + rest * option > 0.0 else None
 
