@@ -190,6 +190,15 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0 <= v <= 100_000,
     ),
     Setting(
+        "warmup_run_steps",
+        1,
+        "[1, 1000]",
+        "consecutive steps the warm-up gives each candidate before the next (1: one step each "
+        "in turn); a round of the candidates is this many steps of each",
+        _int,
+        lambda v: 1 <= v <= 1000,
+    ),
+    Setting(
         "acceptance_decay",
         0.005,
         "(0, 1]",
@@ -342,6 +351,7 @@ class AdaTreeConfig:
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
     explore_seed: int = DEFAULTS["explore_seed"]
     warmup_steps: int = DEFAULTS["warmup_steps"]
+    warmup_run_steps: int = DEFAULTS["warmup_run_steps"]
     acceptance_decay: float = DEFAULTS["acceptance_decay"]
     acceptance_prior: float = DEFAULTS["acceptance_prior"]
     acceptance_prior_weight: float = DEFAULTS["acceptance_prior_weight"]

@@ -308,8 +308,11 @@ def test_a_served_step_log_becomes_a_measured_profile(tmp_path):
                               draft_forward_ms=12.0)
                 )  # fmt: skip
                 lines.append(_log_line("1,1,2", batch, context, (120 + 15 * batch) * noise))
-    # Left out: a catch-up step, a step without forwards, a line from before contexts were logged.
+    # Left out: a catch-up step, a step right after one of another shape (it pays for the
+    # change), a step without forwards, a line from before contexts were logged.
     lines.append(_log_line("0,1,1", 1, 100, 900.0, source="catch-up"))
+    lines.append(_log_line("0,1,1", 1, 100, 900.0, previous_shape="6,4,16"))
+    lines.append(_log_line("1,1,2", 1, 100, 120.0, previous_shape="1,1,2"))  # kept
     lines.append(_log_line("0,1,1", 1, 100, 900.0, forward_ms=0.0))
     old = json.loads(_log_line("0,1,1", 1, 100, 900.0))
     del old["sum_context_len"]
@@ -324,7 +327,7 @@ def test_a_served_step_log_becomes_a_measured_profile(tmp_path):
     assert profile.source == "measured" and profile.name == "cpu"
     assert profile.padding == NO_GRAPHS
     assert profile.batch_sizes == (1, 2, 3, 4) and profile.context_lens == (128, 256, 512)
-    assert profile.notes["rows"] == 2 * 36 + 2
+    assert profile.notes["rows"] == 2 * 36 + 2 + 1
     assert profile.notes["step_log"] == "steps.jsonl"
     plain = profile.step_ms(StepFeatures(1, 1, 100, 100), NO_SPEC)
     assert plain == pytest.approx(110.0, rel=0.03)  # 122 ms less the draft's 12

@@ -40,6 +40,11 @@ def test_a_profile_leaves_out_catch_up_steps_and_larger_batches(tmp_path):
     assert by_shape["0,1,1"].emitted is None
     assert by_shape["1,1,2"].steps == 2 and by_shape["1,1,2"].step_ms == 115.0
     assert by_shape["1,1,2"].emitted == 1.5
+    # A step right after one of another shape pays for the change: left out.
+    changed = [{**_step("0,1,1", 95.0), "previous_shape": "0,1,1"}, _step("0,1,1", 95.0)]
+    changed.append({**_step("0,1,1", 300.0), "previous_shape": "3,4,8"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in changed))
+    assert summarize_profile(path)[0].steps == 2 and summarize_profile(path)[0].step_ms == 95.0
     # A step without speculation that ran the draft's extend costs its step less that extend.
     path.write_text(json.dumps({**_step("0,1,1", 110.0), "draft_forward_ms": 12.0}) + "\n")
     assert summarize_profile(path)[0].step_less_draft_ms == 98.0

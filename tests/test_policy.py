@@ -258,6 +258,21 @@ def test_warmup_cycles_through_the_candidates():
     assert decisions[15].source == "fallback"
 
 
+def test_warmup_runs_each_candidate_for_a_stretch():
+    # A profile measures each shape in runs: the first step of a run pays for the change.
+    n = len(DEFAULT_CANDIDATES)
+    policy = make_policy(FLAT, warmup_steps=3 * n + 4, warmup_run_steps=3)
+    decisions = [policy.decide(batch(16)) for _ in range(3 * n + 1)]
+    assert [d.shape for d in decisions[: 3 * n]] == [c for c in DEFAULT_CANDIDATES for _ in "abc"]
+    # A whole round, though the requests' steps were enough after three steps.
+    assert {d.source for d in decisions[: 3 * n]} == {"warmup"}
+    assert decisions[3 * n].source != "warmup"
+    # Cut short by a warm-up shorter than a round, as with runs of one step.
+    policy = make_policy(FLAT, warmup_steps=4, warmup_run_steps=3)
+    shapes = [policy.decide(batch(16)).shape for _ in range(4)]
+    assert shapes == [DEFAULT_CANDIDATES[0]] * 3 + [DEFAULT_CANDIDATES[1]]
+
+
 @pytest.mark.parametrize(
     ("warmup_steps", "batch_sizes", "warm"),
     [

@@ -47,7 +47,7 @@ def profiled(tiny_models, tmp_path_factory) -> tuple[Path, Path, Path, str]:
         str(Path(sys.executable).parent / "adatree"), "profile",
         "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
         "--prompts", str(prompts), "--requests", "3", "--new-tokens", "12",
-        "--shapes", SHAPES, "--concurrency", "1,2", "--threads", "1",
+        "--shapes", SHAPES, "--concurrency", "1,2", "--threads", "1", "--run-steps", "2",
         "--work-dir", str(work), "--out", str(out), "--profile-out", str(profile_out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=os.environ)
@@ -69,6 +69,15 @@ def test_profile_at_two_concurrencies_writes_a_measured_profile(profiled):
     steps = [json.loads(line) for line in (work / STEP_LOG).read_text().splitlines()]
     assert all(s["sum_context_len"] >= s["batch_size"] for s in steps)
     assert {s["batch_size"] for s in steps} == {1, 2}
+    # Steps without speculation run as the server serves them: the target's plain decode, the
+    # draft's extend skipped (one forward, none of the draft's), a catch-up step after each.
+    plain = [s for s in steps if s["shape"] == "0,1,1" and s["source"] != "catch-up"]
+    assert plain and all(s["forward_calls"] == 1 and s["draft_forward_ms"] == 0 for s in plain)
+    assert any(s["source"] == "catch-up" for s in steps)
+    # Each shape runs two steps in a row; the first of each run, right after another shape,
+    # is left out of the report and the profile.
+    assert any(s["previous_shape"] == s["shape"] for s in steps[1:])
+    assert all(s["previous_shape"] is not None for s in steps[1:])
 
     profile = TableProfile.load(profile_out)
     assert profile.source == "measured" and profile.name == "cpu"
@@ -78,7 +87,7 @@ def test_profile_at_two_concurrencies_writes_a_measured_profile(profiled):
     assert profile.batch_sizes == (1, 2)
     notes = profile.notes
     assert notes["rows"] > 0 and notes["cells_measured"] > 0
-    assert notes["threads"] == 1 and notes["step_log"] == STEP_LOG
+    assert notes["threads"] == 1 and notes["run_steps"] == 2 and notes["step_log"] == STEP_LOG
 
 
 @pytest.mark.slow

@@ -402,14 +402,16 @@ class Policy:
     def _warming(self, step: int, batch_size: int) -> TreeShape | None:
         """The warm-up's shape for ``step``, None once the warm-up is over: it lasts
         ``warmup_steps`` requests' decode steps (a step of a batch of B counts B), and at least
-        one round of the candidates or ``warmup_steps`` steps, the fewer."""
+        one round of the candidates or ``warmup_steps`` steps, the fewer. Each candidate runs
+        ``warmup_run_steps`` steps in a row."""
         if self._warmup_end >= 0:
             return None
         warmup, done = self.config.warmup_steps, self._warmup_steps
-        if done < min(warmup, len(self.candidates)) or self._warmup_request_steps < warmup:
+        run = self.config.warmup_run_steps
+        if done < min(warmup, run * len(self.candidates)) or self._warmup_request_steps < warmup:
             self._warmup_steps += 1
             self._warmup_request_steps += batch_size
-            return self.candidates[done % len(self.candidates)]
+            return self.candidates[(done // run) % len(self.candidates)]
         self._warmup_end = step
         return None
 

@@ -27,7 +27,7 @@ size the deployment was seen to use.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -279,14 +279,24 @@ def profile_from_telemetry(
     )
 
 
+def follows_a_change(row: Mapping[str, Any]) -> bool:
+    """Whether a step-log row ran right after a step of another shape. Such a step pays for the
+    change (on a CPU a plain decode after a speculative step costs most of a step more than the
+    next one), which a server that keeps a shape for a stretch pays once in the stretch; a
+    profile prices the stretch. Lines that do not name the shape before them count as not."""
+    previous = row.get("previous_shape")
+    return previous is not None and previous != row["shape"]
+
+
 def read_step_log(path: Path) -> MeasuredSteps:
     """The steps of an ``ADATREE_PROFILE_PATH`` log that a profile can use.
 
     Left out: catch-up steps (no speculation plus the draft's extend: neither a plain step nor
-    a speculative one), steps without model forwards, and lines without ``sum_context_len``
-    (logs of servers from before it was logged). A step without speculation is charged its
-    time less the draft's forwards: ``adatree profile`` runs the draft's extend on those steps
-    to keep the draft's cache whole, which adatree skips when it serves.
+    a speculative one), steps right after a step of another shape (``follows_a_change``),
+    steps without model forwards, and lines without ``sum_context_len`` (logs of servers from
+    before it was logged). A step without speculation is charged its
+    time less the draft's forwards, so that one that ran the draft's extend (a server with
+    ``skip_idle_draft_extend`` off) is priced as the step adatree serves, which skips it.
     """
     values: list[tuple[float, ...]] = []
     for line in path.read_text().splitlines():
@@ -296,7 +306,7 @@ def read_step_log(path: Path) -> MeasuredSteps:
         source = row.get("source") or "model"
         if not teaches_cost_model(source, row.get("step_ms")) or row.get("forward_ms", 0.0) <= 0:
             continue
-        if row.get("sum_context_len") is None:
+        if row.get("sum_context_len") is None or follows_a_change(row):
             continue
         shape = TreeShape.parse(row["shape"])
         ms = row["step_ms"]
@@ -324,7 +334,7 @@ def profile_from_served_steps(
     if len(steps) == 0:
         raise ValueError(
             f"{path}: no usable steps (a log from before sum_context_len was logged, or only "
-            "catch-up steps)"
+            "catch-up steps or steps after a change of shape)"
         )
     return profile_from_steps(
         steps,

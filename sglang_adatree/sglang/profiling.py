@@ -2,9 +2,10 @@
 
 Off unless ``ADATREE_PROFILE_PATH`` names a file. Then every ``ModelRunner.forward`` call (the
 target's verify pass, each draft pass, the draft extend) is timed, and the worker appends one
-JSON line per decode step to that file: the shape, the decision's source, the emitted tokens
-per request (speculative steps), the batch size and its summed context length, the step's wall
-time and the part of it spent inside model forwards, all of them and the draft's. ``adatree
+JSON line per decode step to that file: the shape, the shape of the step logged before it, the
+decision's source, the emitted tokens per request (speculative steps), the batch size and its
+summed context length, the step's wall time and the part of it spent inside model forwards, all
+of them and the draft's. ``adatree
 profile`` reads these lines to report the overhead of the speculative machinery around the
 models, the served step times and acceptance a model card can quote (``adatree models evaluate
 --card --served``), and a step-time profile of the policy lab (``--profile-out``).
@@ -67,6 +68,7 @@ class StepProfiler:
         self._forward_s = 0.0
         self._draft_s = 0.0
         self._calls = 0
+        self._previous_shape: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +92,9 @@ class StepProfiler:
             return
         record = {
             "shape": shape,
+            # A step right after one of another shape pays for the change (on a CPU a plain
+            # decode after a speculative step, by far the most): ``lab.measured`` leaves it out.
+            "previous_shape": self._previous_shape,
             "source": source,  # the decision's: a catch-up step is no speculation plus an extend
             "emitted": emitted,  # tokens per request, speculative steps only
             "batch_size": batch_size,
@@ -100,3 +105,4 @@ class StepProfiler:
             "forward_calls": ForwardClock.calls - self._calls,
         }
         self._file.write(json.dumps(record) + "\n")
+        self._previous_shape = shape

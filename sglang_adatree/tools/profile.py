@@ -6,12 +6,18 @@ Two measurements, each on real SGLang servers started one at a time:
   the same model, interleaved request by request (a server request, then the same prompt
   through transformers in this process while the server idles), concurrency 1, EOS ignored so
   every request produces exactly ``--new-tokens``; reported as medians and their ratio.
-* shapes: an adatree server that cycles through ``--shapes`` one decode step at a time (a
-  warm-up that never ends) with forward profiling on (``ADATREE_PROFILE_PATH``). Each step
-  logs its wall time, the time spent inside model forwards (the draft passes, the verify pass,
-  the draft extend) and the tokens it emitted; the report gives per shape the median step
-  time, forward time and their ratio (the overhead of the speculative machinery around the
-  models) and the mean emitted tokens.
+* shapes: an adatree server that cycles through ``--shapes``, ``--run-steps`` decode steps of
+  each in turn (a warm-up that never ends), with forward profiling on
+  (``ADATREE_PROFILE_PATH``). Each step logs its wall time, the time spent inside model
+  forwards (the draft passes, the verify pass, the draft extend) and the tokens it emitted;
+  the report gives per shape the median step time, forward time and their ratio (the overhead
+  of the speculative machinery around the models) and the mean emitted tokens. Steps without
+  speculation run as the server serves them (``skip_idle_draft_extend``): on a CPU the
+  target's plain decode, the draft's extend skipped, so a catch-up step follows each run of
+  them (left out of the report and the profile). So is the first step of each run
+  (``lab.measured.follows_a_change``): on a CPU a plain decode right after a speculative step
+  costs most of a step more than the next plain one, which a server pays once per change, not
+  once per step as a cycle of single steps would charge it.
 
 With ``--concurrency 1,2,4`` the shapes' server is driven at each of those concurrencies in turn
 (``--requests`` requests each, that many in flight), so steps run at batch sizes up to the
@@ -46,6 +52,8 @@ from sglang_adatree.models.paths import TOKEN_MAP_FILE
 from sglang_adatree.tools.bench.configurations import CPU_SERVER_FLAGS
 
 DEFAULT_SHAPES = "0;3,1,4;3,2,6"
+# Steps of a shape in a row: the first of each run pays for the change and is left out.
+DEFAULT_RUN_STEPS = 8
 STEP_LOG = "steps.jsonl"  # the shapes' server's step log, in the work dir
 CANDIDATES = "candidates"  # --shapes: the configured candidate shapes
 
@@ -74,8 +82,8 @@ class ShapeProfile:
     forward_ms: float  # median time inside model forwards during the step
     overhead: float  # median of step / forward
     emitted: float | None = None  # mean emitted tokens a step (speculative shapes)
-    # Median of step time less the draft's forwards: for steps without speculation, what they
-    # cost when they skip the draft's extend (a profile runs them with it; see measure_shapes).
+    # Median of step time less the draft's forwards: for steps without speculation that ran
+    # the draft's extend (a server with skip_idle_draft_extend off), what they cost without it.
     step_less_draft_ms: float | None = None
 
 
@@ -98,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also compare non-speculative SGLang with transformers",
     )
+    parser.add_argument(
+        "--run-steps",
+        type=_run_steps,
+        default=DEFAULT_RUN_STEPS,
+        help="decode steps of each shape in a row; the first of each run, which pays for the "
+        f"change of shape, is left out (default {DEFAULT_RUN_STEPS})",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument(
@@ -112,6 +127,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write every logged step as a step-time profile of the policy lab (JSON)",
     )
     parser.add_argument("--work-dir", type=Path, help="server logs (default: a temp dir)")
+
+
+def _run_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= 1000:
+        raise argparse.ArgumentTypeError(
+            f"--run-steps {text!r}: an integer from 2 to 1000 (the first step of a run is left out)"
+        )
+    return value
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -203,8 +230,11 @@ def summarize_profile(path: Path) -> list[ShapeProfile]:
 
     Catch-up steps are left out: they run no speculation but the draft's extend, so they are
     neither a plain step nor the speculative shape that follows them (files of servers that
-    skip the draft's extend on steps without speculation have one after each of those).
+    skip the draft's extend on steps without speculation have one after each of those). So are
+    steps right after a step of another shape (``lab.measured.follows_a_change``).
     """
+    from sglang_adatree.lab.measured import follows_a_change
+
     by_shape: dict[str, list[dict]] = defaultdict(list)
     for line in path.read_text().splitlines():
         row = json.loads(line)
@@ -212,6 +242,7 @@ def summarize_profile(path: Path) -> list[ShapeProfile]:
             row["batch_size"] == 1
             and row["forward_ms"] > 0
             and teaches_cost_model(row.get("source") or "model", row.get("step_ms"))
+            and not follows_a_change(row)
         ):
             by_shape[row["shape"]].append(row)
     out = []
@@ -241,10 +272,11 @@ def measure_shapes(
     threads: int,
     work_dir: Path,
     concurrency: Sequence[int] = (1,),
+    run_steps: int = DEFAULT_RUN_STEPS,
 ) -> list[ShapeProfile]:
     """Per-shape medians at batch size 1 (``summarize_profile``); every step stays logged in
     ``work_dir / STEP_LOG``. At each of ``concurrency`` the prompts run with that many in
-    flight."""
+    flight; the server runs ``run_steps`` steps of each shape in turn."""
     from transformers import AutoTokenizer
 
     from sglang_adatree.tools.bench.servers import free_port, running_server
@@ -265,11 +297,7 @@ def measure_shapes(
         "ADATREE_PROFILE_PATH": str(profile_path),
         # The largest warm-up allowed: longer than any profile, so the cycle never ends.
         "ADATREE_WARMUP_STEPS": "100000",
-        # Steps without speculation run the draft's extend too: skipped, they would leave gaps
-        # in the draft's cache that lower every later draft's acceptance (a cycle has one such
-        # step per round), and make the next step a catch-up. Their cost without it is their
-        # step time less the draft's forwards (``step_less_draft_ms``).
-        "ADATREE_SKIP_IDLE_DRAFT_EXTEND": "false",
+        "ADATREE_WARMUP_RUN_STEPS": str(run_steps),
         "ADATREE_RECORD_STEPS": "false",
         "OMP_NUM_THREADS": str(threads),
     }
@@ -321,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
             "requests": args.requests,
             "new_tokens": args.new_tokens,
             "threads": args.threads,
+            "run_steps": args.run_steps,
             "cpu": cpu_name(),
         },
     }
@@ -337,7 +366,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"shape profile ({args.shapes}), batch size 1:", flush=True)
     concurrency = args.concurrency or (1,)
     profiles = measure_shapes(
-        target, draft, args.shapes, prompts, args.new_tokens, args.threads, work_dir, concurrency
+        target,
+        draft,
+        args.shapes,
+        prompts,
+        args.new_tokens,
+        args.threads,
+        work_dir,
+        concurrency,
+        args.run_steps,
     )
     result["shapes"] = [asdict(p) for p in profiles]
     print(
@@ -368,7 +405,12 @@ def write_step_profile(step_log: Path, out: Path, args: argparse.Namespace, cpu:
         made_by=f"{command} ({date.today().isoformat()})",
         name=out.stem,
         shapes=parse_candidates(args.shapes),
-        notes={"cpu": cpu, "threads": args.threads, "draft": args.draft or "eagle"},
+        notes={
+            "cpu": cpu,
+            "threads": args.threads,
+            "draft": args.draft or "eagle",
+            "run_steps": args.run_steps,
+        },
     )
     profile.save(out)
     notes = profile.notes
