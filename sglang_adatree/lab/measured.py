@@ -294,9 +294,9 @@ def read_step_log(path: Path) -> MeasuredSteps:
     Left out: catch-up steps (no speculation plus the draft's extend: neither a plain step nor
     a speculative one), steps right after a step of another shape (``follows_a_change``),
     steps without model forwards, and lines without ``sum_context_len`` (logs of servers from
-    before it was logged). A step without speculation is charged its
-    time less the draft's forwards, so that one that ran the draft's extend (a server with
-    ``skip_idle_draft_extend`` off) is priced as the step adatree serves, which skips it.
+    before it was logged). A step without speculation is charged its time less the draft's
+    forwards, so that one that ran the draft's extend (a server with ``skip_idle_draft_extend``
+    off) is priced as the step adatree serves, which skips it.
     """
     values: list[tuple[float, ...]] = []
     for line in path.read_text().splitlines():
