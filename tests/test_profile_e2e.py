@@ -46,8 +46,8 @@ def profiled(tiny_models, tmp_path_factory) -> tuple[Path, Path, Path, str]:
     command = [
         str(Path(sys.executable).parent / "adatree"), "profile",
         "--target", str(tiny_models.target), "--draft", str(tiny_models.draft),
-        "--prompts", str(prompts), "--requests", "3", "--new-tokens", "12",
-        "--shapes", SHAPES, "--concurrency", "1,2", "--threads", "1", "--run-steps", "2",
+        "--prompts", str(prompts), "--requests", "3", "--new-tokens", "24",
+        "--shapes", SHAPES, "--concurrency", "1,2", "--threads", "1", "--run-steps", "3",
         "--work-dir", str(work), "--out", str(out), "--profile-out", str(profile_out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=os.environ)
@@ -74,7 +74,7 @@ def test_profile_at_two_concurrencies_writes_a_measured_profile(profiled):
     plain = [s for s in steps if s["shape"] == "0,1,1" and s["source"] != "catch-up"]
     assert plain and all(s["forward_calls"] == 1 and s["draft_forward_ms"] == 0 for s in plain)
     assert any(s["source"] == "catch-up" for s in steps)
-    # Each shape runs two steps in a row; the first of each run, right after another shape,
+    # Each shape runs three steps in a row; the first of each run, right after another shape,
     # is left out of the report and the profile.
     assert any(s["previous_shape"] == s["shape"] for s in steps[1:])
     assert all(s["previous_shape"] is not None for s in steps[1:])
@@ -87,7 +87,7 @@ def test_profile_at_two_concurrencies_writes_a_measured_profile(profiled):
     assert profile.batch_sizes == (1, 2)
     notes = profile.notes
     assert notes["rows"] > 0 and notes["cells_measured"] > 0
-    assert notes["threads"] == 1 and notes["run_steps"] == 2 and notes["step_log"] == STEP_LOG
+    assert notes["threads"] == 1 and notes["run_steps"] == 3 and notes["step_log"] == STEP_LOG
 
 
 @pytest.mark.slow
