@@ -44,7 +44,8 @@ def test_a_profile_leaves_out_catch_up_steps_and_larger_batches(tmp_path):
     changed = [{**_step("0,1,1", 95.0), "previous_shape": "0,1,1"}, _step("0,1,1", 95.0)]
     changed.append({**_step("0,1,1", 300.0), "previous_shape": "3,4,8"})
     path.write_text("".join(json.dumps(r) + "\n" for r in changed))
-    assert summarize_profile(path)[0].steps == 2 and summarize_profile(path)[0].step_ms == 95.0
+    (plain,) = summarize_profile(path)
+    assert plain.steps == 2 and plain.step_ms == 95.0
     # A step without speculation that ran the draft's extend costs its step less that extend.
     path.write_text(json.dumps({**_step("0,1,1", 110.0), "draft_forward_ms": 12.0}) + "\n")
     assert summarize_profile(path)[0].step_less_draft_ms == 98.0

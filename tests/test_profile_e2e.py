@@ -70,7 +70,7 @@ def test_profile_at_two_concurrencies_writes_a_measured_profile(profiled):
     assert all(s["sum_context_len"] >= s["batch_size"] for s in steps)
     assert {s["batch_size"] for s in steps} == {1, 2}
     # Steps without speculation run as the server serves them: the target's plain decode, the
-    # draft's extend skipped (one forward, none of the draft's), a catch-up step after each.
+    # draft's extend skipped (one forward, none of the draft's), a catch-up step after each run.
     plain = [s for s in steps if s["shape"] == "0,1,1" and s["source"] != "catch-up"]
     assert plain and all(s["forward_calls"] == 1 and s["draft_forward_ms"] == 0 for s in plain)
     assert any(s["source"] == "catch-up" for s in steps)
