@@ -250,6 +250,14 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v < 1.0,
     ),
     Setting(
+        "draft_confidence",
+        True,
+        "true / false",
+        "scale each request's expected acceptance by the draft's confidence in its next token, "
+        "where the engine hands it over (core.confidence)",
+        _bool,
+    ),
+    Setting(
         "residual_decay",
         0.05,
         "(0, 1]",
@@ -358,6 +366,7 @@ class AdaTreeConfig:
     shape_factor_prior_weight: float = DEFAULTS["shape_factor_prior_weight"]
     request_prior_steps: float = DEFAULTS["request_prior_steps"]
     request_keep: float = DEFAULTS["request_keep"]
+    draft_confidence: bool = DEFAULTS["draft_confidence"]
     residual_decay: float = DEFAULTS["residual_decay"]
     step_time_profile: str | None = DEFAULTS["step_time_profile"]
     skip_idle_draft_extend: bool = DEFAULTS["skip_idle_draft_extend"]

@@ -109,7 +109,10 @@ def _check_server(draft, bundled, reference, tmp_path, extra=()):
         assert mixed == reference["mixed"]
         # The warm-up's steps without speculation ran as the target's plain decode, batches of
         # requests at different lengths included.
-        assert server.server_info()["internal_states"][0]["adatree_plain_decode_steps"] > 0
+        state = server.server_info()["internal_states"][0]
+        assert state["adatree_plain_decode_steps"] > 0
+        # The draft's confidence reached the policy: its speculative steps taught the bins.
+        assert sum(b["steps"] for b in state["adatree_draft_confidence"]) > 0
 
 
 def test_standalone_draft_matches_greedy(bundled, reference, tmp_path):

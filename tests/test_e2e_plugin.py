@@ -33,6 +33,7 @@ from sqlalchemy import func, insert, select, update
 from test_grafana_dashboard import DASHBOARD, metric_names
 from test_grafana_dashboard import queries as dashboard_queries
 
+from sglang_adatree.core.confidence import BIN_EDGES
 from sglang_adatree.core.policy import DecisionSource
 from sglang_adatree.core.shapes import parse_candidates
 from sglang_adatree.core.step_profile import TableProfile
@@ -183,6 +184,7 @@ def test_server_info_and_metrics(adatree):
     # None until the cost model has seen enough steps to tell, then a fraction of a step.
     assert state["adatree_step_noise"] is None or 0.0 < state["adatree_step_noise"] < 5.0
     assert set(state["adatree_price_split"]) == {"drift", "tilt", "offset"}
+    assert len(state["adatree_draft_confidence"]) == len(BIN_EDGES) + 1
     time.sleep(0.5)  # the writer flushes every 50 ms here
     state = adatree.server_info()["internal_states"][0]
     # Every finished step is a row (nothing dropped, rejected or held on a healthy database).

@@ -521,19 +521,23 @@ class RequestAcceptance:
             return 1.0
         return sum(self.factor(r) for r in request_ids) / len(request_ids)
 
-    def observe(self, request_ids: Sequence[str], accepted: Any, expected: float) -> None:
+    def observe(
+        self, request_ids: Sequence[str], accepted: Any, expected: float | Sequence[float]
+    ) -> None:
         """One verify step: ``accepted`` ``[batch]`` draft tokens each request accepted, where
-        the estimator expected ``expected`` of each."""
-        if expected <= 0:
+        ``expected`` were expected of each (one value for all, or ``[batch]``: the estimator's
+        times what is known of the step beyond the request, its draft's confidence)."""
+        each = [expected] * len(request_ids) if isinstance(expected, int | float) else expected
+        if min(each, default=0.0) <= 0:
             return
         self._counter += 1
         counts = accepted.tolist() if hasattr(accepted, "tolist") else list(accepted)  # [batch]
         assert len(counts) == len(request_ids), f"{len(counts)} counts for {len(request_ids)} ids"
-        for request_id, a in zip(request_ids, counts, strict=True):
+        for request_id, a, x in zip(request_ids, counts, each, strict=True):
             e = self._evidence.get(request_id)
             if e is None:
                 e = self._evidence[request_id] = _RequestEvidence()
-            ratio = a / expected
+            ratio = a / x
             e.ratio_sum = self.keep * e.ratio_sum + ratio
             e.weight = self.keep * e.weight + 1.0
             e.seen = self._counter

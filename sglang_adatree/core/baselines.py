@@ -91,6 +91,9 @@ def accepted_per_request(stats: AcceptedPathStats) -> np.ndarray:
 class _ChainBaseline:
     """What both baselines share: chain candidates, pins, the cost model and its version."""
 
+    # Neither system reads the draft's confidence (``core.confidence``).
+    reads_confidence = False
+
     def __init__(
         self,
         config: AdaTreeConfig,
@@ -165,8 +168,14 @@ class TurboSpecPolicy(_ChainBaseline):
             best = 0
         return self.shapes[best], float(times[best]), float(emitted[best])
 
-    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
-        """Pin, else the chain chosen at the last refresh (every 20 steps)."""
+    def decide(
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
+    ) -> Decision:
+        """Pin, else the chain chosen at the last refresh (every 20 steps). TurboSpec keeps one
+        acceptance rate for every request and step: the draft's confidence is not read."""
         step = self.step
         self.step += 1
         pinned = self._pinned(features)
@@ -186,6 +195,7 @@ class TurboSpecPolicy(_ChainBaseline):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
     ) -> None:
         """Step time to the cost model; accepted / drafted into the global EMA (one rate for
         every request, as TurboSpec keeps)."""
@@ -289,8 +299,14 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         i = bisect.bisect_right(self.slot_sizes, batch_size) - 1
         return self.slots[self.slot_sizes[max(0, i)]]
 
-    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
-        """Pin, else the chain the batch size's slot currently runs."""
+    def decide(
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
+    ) -> Decision:
+        """Pin, else the chain the batch size's slot currently runs (SGLang's adaptive mode
+        does not read the draft's confidence)."""
         self.step += 1
         pinned = self._pinned(features)
         if pinned is not None:
@@ -310,6 +326,7 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
     ) -> None:
         """Accepted drafts per request into the batch size's slot; step time to the cost model
         (kept so that telemetry's predicted step times stay comparable across policies)."""

@@ -29,7 +29,10 @@ runs as a ``catch-up`` (no speculation, with the draft's extend) and the decisio
 the next step. The held decision runs there, without a new policy decision in between, if that
 step continues the same batch (every context one token longer) and no control update came in
 between; otherwise it is dropped (a pin must win at once, and a new batch gets its own
-decision). Catch-up steps are not policy decisions and teach no cost model.
+decision). A decision of the goodput rule gives way to a new one where the policy reads the
+draft's confidence (``core.confidence``): the catch-up has just made it known, and a step the
+draft is unsure of is one not to speculate on. Catch-up steps are not policy decisions and
+teach no cost model.
 
 Tensor parallelism: only rank 0 holds a controller; ``plan_on_every_rank`` broadcasts its
 ``StepPlan`` so every rank runs the same shape.
@@ -72,12 +75,20 @@ class BatchView:
 
     request_ids: tuple[str, ...]  # [batch]
     context_lens: tuple[int, ...]  # [batch] prompt + output tokens so far
+    # [batch] the draft's probability of the first token it will propose for each request (its
+    # top-1 at depth 1, from the draft's extend before this step); None: not handed over. A
+    # request whose draft is behind has none, whatever the engine holds for it.
+    draft_confidence: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.context_lens) or not self.request_ids:
             raise ValueError(
                 f"a batch needs one context length per request and at least one request: {self}"
             )
+        if self.draft_confidence is not None and len(self.draft_confidence) != len(
+            self.request_ids
+        ):
+            raise ValueError(f"a batch needs one draft confidence per request: {self}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ class StepTicket:
     features: StepFeatures
     request_ids: tuple[str, ...]  # [batch]
     skips_draft_extend: bool
+    # [batch] the draft confidence the decision read (None where unknown); None: none known.
+    confidence: tuple[float | None, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -179,8 +192,14 @@ class DecisionRule(Protocol):
     cost_model: Any
     pins: tuple[Pin, ...]
     policy_version: int | None
+    reads_confidence: bool  # whether ``decide`` reads the draft's confidence
 
-    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision: ...
+    def decide(
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
+    ) -> Decision: ...
 
     def observe(
         self,
@@ -189,6 +208,7 @@ class DecisionRule(Protocol):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
     ) -> None: ...
 
     def set_pins(self, pins: Sequence[Pin]) -> None: ...
@@ -271,10 +291,15 @@ class StepController:
             held = None
         features = StepFeatures.from_context_lens(view.context_lens, self.padding)
         lens = sorted(view.context_lens)
-        if held is not None and lens == [n + 1 for n in held.context_lens]:
+        confidence = self._confidence(view)
+        if (
+            held is not None
+            and lens == [n + 1 for n in held.context_lens]
+            and not self._decides_again(held.decision, confidence)
+        ):
             decision = held.decision
         else:
-            decision = self.policy.decide(features, view.request_ids)
+            decision = self.policy.decide(features, view.request_ids, confidence)
         if decision.shape.speculative and not self._draft_behind.isdisjoint(view.request_ids):
             self._held = _Held(decision, lens)
             # Any policy's cost model, baselines' included, prices the step as no speculation.
@@ -298,7 +323,7 @@ class StepController:
         # Only this batch's requests can be behind after this step: a request that leaves the
         # batch finishes, or comes back through a prefill, which runs the draft's extend.
         self._draft_behind = frozenset(view.request_ids) if skips else frozenset()
-        ticket = StepTicket(self._next_id, decision, features, view.request_ids, skips)
+        ticket = StepTicket(self._next_id, decision, features, view.request_ids, skips, confidence)
         self._next_id += 1
         counters = self._counters
         counters.open[ticket.id] = ticket
@@ -334,7 +359,12 @@ class StepController:
             paths = outcome.paths.as_lists()
         if learned:
             self.policy.observe(
-                ticket.features, shape, outcome.measured_ms, paths, ticket.request_ids
+                ticket.features,
+                shape,
+                outcome.measured_ms,
+                paths,
+                ticket.request_ids,
+                ticket.confidence,
             )
             self.measured.add(ticket.features, shape, outcome.measured_ms)
             if self.runs_first_refit and not self.measured.fitted and self.policy_version is None:
@@ -432,7 +462,18 @@ class StepController:
             "adatree_candidate_shapes": [str(s) for s in self.candidate_shapes],
             "adatree_step_noise": self.step_noise,
             "adatree_price_split": self.price_split,
+            "adatree_draft_confidence": self.draft_confidence,
         }
+
+    @property
+    def draft_confidence(self) -> list[dict[str, float]] | None:
+        """Per bin of the draft's confidence (``core.confidence``): its upper edge, the factor
+        on expected accepted draft tokens learnt there, and the weight of its verify steps;
+        None under a policy that does not read the confidence (the baselines)."""
+        table = getattr(self.policy, "confidence", None)
+        if table is None:
+            return None
+        return [{"below": hi, "factor": f, "steps": w} for hi, f, w in table.table()]
 
     @property
     def step_noise(self) -> float | None:
@@ -452,6 +493,30 @@ class StepController:
         return None if split is None else dataclasses.asdict(split)
 
     # -- internals --------------------------------------------------------------------------
+    def _decides_again(self, held: Decision, confidence: tuple[float | None, ...] | None) -> bool:
+        """Whether a decision held behind a catch-up gives way to a new one: the catch-up has
+        made the drafts' confidence known, and a policy that reads it would decide the step
+        otherwise if the draft is unsure of it. Only a decision of the goodput rule: a pin, the
+        warm-up, an exploring step or a probe runs its shape for what it measures."""
+        return (
+            confidence is not None
+            and self.policy.reads_confidence
+            and held.source in (DecisionSource.FALLBACK, DecisionSource.MODEL)
+        )
+
+    def _confidence(self, view: BatchView) -> tuple[float | None, ...] | None:
+        """``[batch]`` the draft confidence of ``view``'s requests as a decision may read it:
+        None for a request whose draft is behind (the engine holds a placeholder for it)."""
+        given = view.draft_confidence
+        if given is None:
+            return None
+        behind = self._draft_behind
+        if behind.isdisjoint(view.request_ids):
+            return tuple(given)
+        out = tuple(
+            None if r in behind else q for r, q in zip(view.request_ids, given, strict=True)
+        )
+        return None if all(q is None for q in out) else out
 
     def _apply_updates(self) -> bool:
         applied = False

@@ -89,6 +89,7 @@ from sglang_adatree.core.acceptance import (
     RequestAcceptance,
     host_lists,
 )
+from sglang_adatree.core.confidence import ConfidenceAcceptance
 from sglang_adatree.core.cost_model import CostModel, PriceSplit
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import TreeShape
@@ -221,6 +222,7 @@ class Policy:
         self._explore_phase = random.Random(config.explore_seed).random()
         self._explorations = 0
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
+        self.confidence = ConfidenceAcceptance()
         # Per candidate: the most a step can emit, and whether it speculates.
         self._max_emitted = [s.steps + 1.0 for s in self.candidates]
         # [candidates, candidates]: whether the column's shape dominates the row's.
@@ -230,6 +232,11 @@ class Policy:
         self._ordered: tuple[np.ndarray, list[float]] | None = None  # (estimates, ordered)
         self._last_batch: frozenset[str] = frozenset()  # the requests of the step before
         self._new_batch_left = 0  # steps still decided as a new batch's (``new_batch_steps``)
+
+    @property
+    def reads_confidence(self) -> bool:
+        """Whether decisions read the draft's confidence (``draft_confidence``)."""
+        return bool(self.config.draft_confidence)
 
     def set_pins(self, pins: Sequence[Pin]) -> None:
         """Replace the pins, in precedence order; each pinned shape must be a candidate (its
@@ -244,9 +251,15 @@ class Policy:
         self.cost_model = cost_model
         self.policy_version = policy_version
 
-    def decide(self, features: StepFeatures, request_ids: Sequence[str] = ()) -> Decision:
+    def decide(
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
+    ) -> Decision:
         """The shape for this step over the requests ``request_ids`` (their acceptance so far
-        scales the estimate; none given: the estimator's alone)."""
+        scales the estimate; none given: the estimator's alone), whose drafts' confidence in
+        their next token is ``confidence`` ``[batch]`` (None where unknown)."""
         step = self.step
         self.step += 1
         # Without request ids a batch cannot be told new: it is decided as a continuing one.
@@ -258,7 +271,7 @@ class Policy:
         new_batch = bool(request_ids) and self._new_batch_left > 0
         self._new_batch_left = max(self._new_batch_left - 1, 0)
         self._last_batch = frozenset(request_ids)
-        times, emitted = self._predicted(features, request_ids)
+        times, emitted = self._predicted(features, request_ids, confidence)
         for pin in self.pins:
             if pin.covers(features.batch_size):
                 return self._decision(pin.shape, DecisionSource.PIN, times, emitted)
@@ -323,19 +336,38 @@ class Policy:
         return self.candidates[j] if steps * gain + rest * option > 0.0 else None
 
     def predictions(
-        self, features: StepFeatures, request_ids: Sequence[str] = ()
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """What ``decide`` reads for this batch: ``[candidates]`` predicted step times (ms) and
         ``[candidates]`` expected emitted tokens per request, in candidate order."""
-        times, emitted = self._predicted(features, request_ids)
+        times, emitted = self._predicted(features, request_ids, confidence)
         return np.array(times), np.array(emitted)
 
     def _predicted(
-        self, features: StepFeatures, request_ids: Sequence[str]
+        self,
+        features: StepFeatures,
+        request_ids: Sequence[str],
+        confidence: Sequence[float | None] | None,
     ) -> tuple[list[float], list[float]]:
         """``predictions`` as lists, as ``decide`` reads them."""
         times = self.cost_model.predict_ms_list(features, self.candidates)
-        return times, self._batch_emitted(request_ids)
+        return times, self._batch_emitted(request_ids, confidence)
+
+    def _confidence_factors(
+        self, request_ids: Sequence[str], confidence: Sequence[float | None] | None
+    ) -> list[float] | None:
+        """``[batch]`` the confidence factors of the batch's requests; None when none is known
+        or the policy does not read them (``draft_confidence``)."""
+        if not self.reads_confidence or confidence is None or not request_ids:
+            return None
+        if len(confidence) != len(request_ids):
+            raise ValueError(f"{len(confidence)} confidences for {len(request_ids)} requests")
+        if all(q is None for q in confidence):
+            return None
+        return self.confidence.factors(confidence)
 
     def observe(
         self,
@@ -344,18 +376,32 @@ class Policy:
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
+        confidence: Sequence[float | None] | None = None,
     ) -> None:
         """Feed back one verified step: its measured time and, if it speculated, its paths (one
-        row per request of ``request_ids``)."""
+        row per request of ``request_ids``, whose drafts' confidence was ``confidence``)."""
         self.cost_model.observe(features, shape, measured_ms)
         if stats is not None and shape.speculative:
-            # The requests' level before this step: the shape is judged against it.
-            factor = self.requests.batch_factor(request_ids)
+            # The requests' level before this step, their confidence included: the shape is
+            # judged against it.
+            levels = self._levels(request_ids)  # [batch]
+            scaled = self._confidence_factors(request_ids, confidence)  # [batch] or None
+            if scaled is None:
+                factor = self.requests.batch_factor(request_ids)
+            else:
+                factor = sum(f * c for f, c in zip(levels, scaled, strict=True)) / len(levels)
             if request_ids:
                 ranks = host_lists(stats.accepted_rank)  # [batch][steps]
                 accepted = [sum(rank >= 0 for rank in row) for row in ranks]  # [batch]
                 expected = self.acceptance.expected_emitted(shape) - 1.0
-                self.requests.observe(request_ids, accepted, expected)
+                if scaled is None:
+                    self.requests.observe(request_ids, accepted, expected)
+                else:
+                    # Each of the two factors is learnt against the other: a request's level
+                    # net of its steps' confidence, a bin's net of its requests' levels.
+                    self.requests.observe(request_ids, accepted, [expected * c for c in scaled])
+                    assert confidence is not None
+                    self.confidence.observe(confidence, accepted, [expected * f for f in levels])
             self.acceptance.observe(shape, stats.num_children, stats.accepted_rank, factor)
         elif request_ids:
             self.requests.age(request_ids)
@@ -363,9 +409,22 @@ class Policy:
         if i is not None:
             self.measured[i] += 1
 
-    def _batch_emitted(self, request_ids: Sequence[str]) -> list[float]:
+    def _batch_emitted(
+        self, request_ids: Sequence[str], confidence: Sequence[float | None] | None = None
+    ) -> list[float]:
         """``[candidates]`` expected emitted tokens per request of this batch."""
         emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
+        scaled = self._confidence_factors(request_ids, confidence)
+        if scaled is not None:
+            # Each request's own expectation, capped at what a step of the shape can emit
+            # before the mean: a sure draft's factor would otherwise lend an unsure one's
+            # request tokens past its cap.
+            levels = [f * c for f, c in zip(self._levels(request_ids), scaled, strict=True)]
+            n = len(levels)
+            return [
+                sum(min(max(1.0 + g * (e - 1.0), 1.0), most) for g in levels) / n
+                for e, most in zip(emitted, self._max_emitted, strict=True)
+            ]
         factor = self.requests.batch_factor(request_ids)
         if factor == 1.0:
             return emitted
@@ -373,6 +432,10 @@ class Policy:
             min(max(1.0 + factor * (e - 1.0), 1.0), most)
             for e, most in zip(emitted, self._max_emitted, strict=True)
         ]
+
+    def _levels(self, request_ids: Sequence[str]) -> list[float]:
+        """``[batch]`` each request's acceptance factor (``RequestAcceptance``)."""
+        return [self.requests.factor(r) for r in request_ids]
 
     def _in_order(self, emitted: np.ndarray) -> list[float]:
         """``emitted`` ``[candidates]`` with each shape capped at the estimate of every shape

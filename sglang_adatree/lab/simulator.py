@@ -32,9 +32,10 @@ accepted paths of every step. References no real system can run:
   its true step time (speed included, noise not) earns at the run's rate, knowing every
   request's trace (``oracle_chooser``; ``runner`` finds the rate).
 
-A catch-up step (no speculation, with the draft's extend) costs the step without speculation
-plus half the difference between the one-token chain and no speculation, the profile's best
-estimate of one draft extend when it has no figure of its own (``notes["catch_up_ms"]``).
+A step without speculation that runs the draft's extend (a catch-up step, or any such step with
+``skip_idle_draft_extend`` off) costs the step without speculation plus half the difference
+between the one-token chain and no speculation, the profile's best estimate of one draft extend
+when it has no figure of its own (``notes["catch_up_ms"]``).
 """
 
 from __future__ import annotations
@@ -412,6 +413,16 @@ def oracle_chooser(
     return choose
 
 
+def confidence_column(traces: TraceSet) -> int | None:
+    """The column of ``traces`` whose draft expectation is the draft's confidence in its first
+    token (the one-token chain's: one node, its probability); None where the traces hold no
+    such thing. Parametric traces draw each position's acceptance apart from any confidence
+    (theirs is one value per request class, which would tell the class): none there."""
+    if traces.kind != "exact" or CHAIN_1 not in traces.shapes:
+        return None
+    return traces.column(CHAIN_1)
+
+
 class ControllerChooser:
     """The serving loop under test, driven as the SGLang worker drives it."""
 
@@ -433,19 +444,26 @@ class ControllerChooser:
         self.charge_catch_up = True
         self.refits = True  # hand the controller its refits, as the control poller would
         self.estimates = _EstimateTally()
+        self._confidence_column = confidence_column(traces)
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
         if self.before_begin is not None:
             self.before_begin(batch)
+        column = self._confidence_column
         view = BatchView(
             tuple(r.id for r in batch),
             tuple(r.trace.prompt_len + r.position for r in batch),
+            None
+            if column is None
+            else tuple(float(r.trace.draft_expected[r.position, column]) for r in batch),
         )
         ticket = self.controller.begin(view)
         shape = ticket.decision.shape
         if not shape.speculative and _KINDS.get(ticket.decision.source) == "chosen":
             self._declined(batch, ticket.features, view.request_ids)
-        catch_up = self.charge_catch_up and ticket.decision.source is DecisionSource.CATCH_UP
+        # A step without speculation that runs the draft's extend (a catch-up, or any such step
+        # where the extend is not skipped) costs what a catch-up costs.
+        catch_up = self.charge_catch_up and not shape.speculative and not ticket.skips_draft_extend
         column = self.traces.column(shape) if shape.speculative else -1
         positions = [r.position for r in batch]
         traces = [r.trace for r in batch]

@@ -304,6 +304,19 @@ class AdaTreeWorkerMixin:
         # the result and with it the step's own ticket; this call carries neither.
         return None
 
+    def _draft_confidence(self, batch: Any) -> tuple[float, ...] | None:
+        """``[batch]`` the draft's probability of the first token it will propose for each
+        request (``core.confidence``): the top-1 of the top-k its extend relayed to this step.
+        A request whose extend was skipped holds a placeholder there, which the controller
+        does not read. On a GPU None: reading it before the decision would wait for the step
+        before to finish, which overlap scheduling runs beside this one's launch."""
+        if not self._on_cpu or not self._config.draft_confidence:
+            return None
+        topk_p = getattr(batch.spec_info, "topk_p", None)  # [batch, relay top-k], descending
+        if topk_p is None or topk_p.dim() != 2 or topk_p.shape[0] != len(batch.reqs):
+            return None
+        return tuple(topk_p[:, 0].tolist())
+
     def _decode_step(self, run_step: Any, batch: Any, on_publish: Any = None) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost, and
         # so is the scheduler's host work since the decode step before it when the two ran
@@ -316,6 +329,7 @@ class AdaTreeWorkerMixin:
         view = BatchView(
             tuple(r.rid for r in batch.reqs),
             tuple(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs),
+            self._draft_confidence(batch),
         )
         controller = self._loop.controller if self._loop is not None else None
         plan, ticket = plan_on_every_rank(controller, view, get_parallel().tp_group)

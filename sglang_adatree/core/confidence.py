@@ -1,0 +1,89 @@
+"""How a step's acceptance follows the draft's own confidence in it.
+
+Before a decode step is decided, the draft has already scored the first token it will propose
+for each request: the draft's extend at the end of the step before (or the prefill's) leaves its
+top-k probabilities for the next position (SGLang's ``topk_p``). The probability of its top-1
+token, the **draft confidence**, is well calibrated on the bundled head
+(``docs/notes/2026-12-02-draft-confidence.md``) and moves from step to step inside one answer,
+where the per-request factor (``acceptance.RequestAcceptance``) follows only a request's
+level. Where speculation costs one and a half to two and a half plain decodes, as on a CPU,
+declining the steps the draft is unsure of and drafting deeper where it is sure is worth more
+than any one shape.
+
+``ConfidenceAcceptance`` keeps a factor on the expected accepted draft tokens for each bin of
+that probability (``BIN_EDGES``), learnt from the speculative steps whose confidence was
+known: the ratio of the draft tokens a request accepted to those expected of it (the
+estimator's, times its request's factor), each bin shrunk towards 1 by ``PRIOR_STEPS``
+pseudo-steps and its older evidence kept ``KEEP`` per observation so that it follows a change
+of workload. A request's expectation for the step is ``1 + f_r * c(q_r) * (E(shape) - 1)``;
+a request whose confidence is unknown (its draft behind after a step without speculation) has
+``c = 1``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+# Upper edges of the bins of the draft's top-1 probability: tenths.
+BIN_EDGES: tuple[float, ...] = tuple(i / 10 for i in range(1, 10))
+# Pseudo-steps at factor 1 in each bin: a bin's first few steps move it little.
+PRIOR_STEPS = 8.0
+# Each observation in a bin keeps its older evidence at this weight (about 500 steps' memory).
+KEEP = 0.998
+
+
+class ConfidenceAcceptance:
+    """Per-bin factors on expected accepted draft tokens; see the module docstring."""
+
+    def __init__(
+        self,
+        edges: Sequence[float] = BIN_EDGES,
+        prior_steps: float = PRIOR_STEPS,
+        keep: float = KEEP,
+    ) -> None:
+        if list(edges) != sorted(edges) or prior_steps < 0 or not 0.0 < keep <= 1.0:
+            raise ValueError(f"bad confidence settings: {edges=}, {prior_steps=}, {keep=}")
+        self.edges = tuple(edges)
+        self.prior_steps = prior_steps
+        self.keep = keep
+        self._ratio_sum = [0.0] * (len(self.edges) + 1)  # [bins]
+        self._weight = [0.0] * (len(self.edges) + 1)  # [bins]
+
+    def bin(self, confidence: float) -> int:
+        return bisect.bisect_right(self.edges, confidence)
+
+    def factor(self, confidence: float | None) -> float:
+        """The factor for a request whose draft confidence is ``confidence`` (None: unknown)."""
+        if confidence is None:
+            return 1.0
+        b = self.bin(confidence)
+        return (self._ratio_sum[b] + self.prior_steps) / (self._weight[b] + self.prior_steps)
+
+    def factors(self, confidences: Sequence[float | None]) -> list[float]:
+        """``[batch]`` factors."""
+        return [self.factor(q) for q in confidences]
+
+    def observe(
+        self,
+        confidences: Sequence[float | None],
+        accepted: Sequence[int],
+        expected: Sequence[float],
+    ) -> None:
+        """One verify step: ``accepted`` ``[batch]`` draft tokens each request accepted, where
+        ``expected`` ``[batch]`` were expected of it before its confidence is counted. Requests
+        whose confidence is unknown teach nothing."""
+        for q, a, e in zip(confidences, accepted, expected, strict=True):
+            if q is None or e <= 0.0:
+                continue
+            b = self.bin(q)
+            self._ratio_sum[b] = self.keep * self._ratio_sum[b] + a / e
+            self._weight[b] = self.keep * self._weight[b] + 1.0
+
+    def table(self) -> list[tuple[float, float, float]]:
+        """``(upper edge, factor, weight)`` per bin, for reports."""
+        uppers = (*self.edges, 1.0)
+        return [
+            (hi, (s + self.prior_steps) / (w + self.prior_steps), w)
+            for hi, s, w in zip(uppers, self._ratio_sum, self._weight, strict=True)
+        ]

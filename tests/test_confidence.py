@@ -1,0 +1,146 @@
+"""The draft's confidence as a per-step acceptance factor: its bins, the policy that reads it,
+and the controller that hands it over only for requests whose draft is up to date."""
+
+import numpy as np
+import pytest
+import torch
+from test_controller import config
+from test_policy import batch, chain_gaining
+
+from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.confidence import BIN_EDGES, ConfidenceAcceptance
+from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
+from sglang_adatree.core.policy import Decision, DecisionSource
+from sglang_adatree.core.shapes import NO_SPEC, TreeShape
+
+CHAIN = TreeShape(1, 1, 2)
+
+
+def test_a_bin_factor_is_its_ratio_shrunk_towards_one():
+    table = ConfidenceAcceptance(prior_steps=2.0, keep=1.0)
+    assert table.factor(None) == 1.0 and table.factor(0.95) == 1.0
+    table.observe([0.95, 0.05, None], [2, 0, 5], [1.0, 1.0, 1.0])
+    assert table.factor(0.91) == pytest.approx((2 + 2) / (1 + 2))
+    assert table.factor(0.05) == pytest.approx(2 / 3)
+    assert table.factor(0.5) == 1.0  # nothing seen there; the unknown confidence taught nothing
+    assert [w for _, _, w in table.table()] == [1, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert len(table.table()) == len(BIN_EDGES) + 1
+    # A request expected to accept more than another is judged against its own expectation.
+    table.observe([0.5], [2], [4.0])
+    assert table.factor(0.55) == pytest.approx((0.5 + 2) / (1 + 2))
+
+
+def test_bins_are_validated():
+    with pytest.raises(ValueError):
+        ConfidenceAcceptance(edges=(0.5, 0.2))
+    with pytest.raises(ValueError):
+        ConfidenceAcceptance(keep=0.0)
+
+
+def chain_steps(policy, confidences, accepted) -> None:
+    """Verify steps of the chain 1,1,2 for one request each, at these confidences."""
+    for i, (q, a) in enumerate(zip(confidences, accepted, strict=True)):
+        stats = AcceptedPathStats(torch.tensor([[1]]), torch.tensor([[0 if a else -1]]))
+        policy.observe(batch(1), CHAIN, 10.0, stats, [f"r{i}"], [q])
+
+
+def test_the_policy_speculates_where_the_draft_is_sure_and_declines_where_it_is_not():
+    # The chain gains 10% on average; a sure draft's steps accept, an unsure one's do not.
+    policy = chain_gaining(0.10, new_batch_steps=0, min_gain=0.0)
+    rng = np.random.default_rng(0)
+    qs = rng.choice([0.05, 0.95], 400)
+    chain_steps(policy, qs, qs > 0.5)
+    assert policy.confidence.factor(0.95) > 1.5 and policy.confidence.factor(0.05) < 0.2
+    assert policy.decide(batch(1), ["x"], [0.95]).shape == CHAIN
+    assert policy.decide(batch(1), ["x"], [0.05]).shape == NO_SPEC
+    # Unknown: the estimate over every step, as without the draft's confidence.
+    unknown = policy.decide(batch(1), ["x"], [None]).predicted_emitted
+    assert unknown == pytest.approx(policy.decide(batch(1), ["x"]).predicted_emitted)
+    # A batch's expectation is the mean over its requests.
+    both = policy.predictions(batch(2), ["x", "y"], [0.95, 0.05])[1]
+    sure = policy.predictions(batch(1), ["x"], [0.95])[1]
+    unsure = policy.predictions(batch(1), ["y"], [0.05])[1]
+    assert both == pytest.approx((sure + unsure) / 2)
+
+
+def test_the_policy_ignores_the_confidence_when_told_to():
+    policy = chain_gaining(0.10, new_batch_steps=0, min_gain=0.0, draft_confidence=False)
+    chain_steps(policy, [0.05] * 50, [False] * 50)
+    assert policy.confidence.table()[0][2] == 0  # nothing learnt
+    low = policy.predictions(batch(1), ["x"], [0.05])[1]
+    assert low == pytest.approx(policy.predictions(batch(1), ["x"])[1])
+
+
+def test_a_confidence_per_request_is_required():
+    policy = chain_gaining(0.10)
+    with pytest.raises(ValueError):
+        policy.decide(batch(2), ["a", "b"], [0.5])
+    with pytest.raises(ValueError):
+        BatchView(("a", "b"), (10, 11), (0.5,))
+
+
+def test_the_controller_hands_over_no_confidence_for_a_draft_behind():
+    controller = StepController(config(warmup_steps=1000))
+    seen = []
+    real_decide = controller.policy.decide
+
+    def decide(features, request_ids=(), confidence=None):
+        seen.append(confidence)
+        return real_decide(features, request_ids, confidence)
+
+    controller.policy.decide = decide
+    ticket = controller.begin(BatchView(("a", "b"), (50, 60), (0.9, 0.2)))  # 0: both skip
+    assert ticket.decision.shape == NO_SPEC and ticket.confidence == (0.9, 0.2)
+    controller.finish(ticket, StepOutcome(30.0, (0, 0), 0.0))
+    # "a" and "b" are behind: what the engine holds for them is a placeholder. "c" is new.
+    ticket = controller.begin(BatchView(("a", "b", "c"), (51, 61, 70), (1.0, 1.0, 0.7)))
+    assert seen[-1] == (None, None, 0.7) and ticket.confidence == (None, None, 0.7)
+    assert ticket.decision.source == "catch-up"
+    controller.finish(ticket, StepOutcome(30.0, (0, 0, 0), 0.0))
+    # After the catch-up every draft is up to date; the held decision runs.
+    ticket = controller.begin(BatchView(("a", "b", "c"), (52, 62, 71), (0.3, 0.4, 0.5)))
+    assert ticket.confidence == (0.3, 0.4, 0.5)
+    assert BatchView(("a",), (50,)).draft_confidence is None
+
+
+def scripted(controller: StepController, script: list) -> list:
+    """Make ``controller``'s policy decide ``script``'s (shape, source) in turn; returns the
+    confidences each decision was given."""
+    seen = []
+    moves = iter(script)
+
+    def decide(features, request_ids=(), confidence=None):
+        seen.append(confidence)
+        shape, source = next(moves)
+        return Decision(shape, DecisionSource(source), 10.0, 1.0)
+
+    controller.policy.decide = decide
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("source", "settings", "decides_again"),
+    [
+        ("fallback", {}, True),
+        ("model", {}, True),
+        ("explore", {}, False),  # run for what it measures
+        ("warmup", {}, False),
+        ("fallback", {"draft_confidence": False}, False),
+    ],
+)
+def test_after_a_catch_up_the_goodput_rule_decides_again_on_the_known_confidence(
+    source, settings, decides_again
+):
+    controller = StepController(config(**settings))
+    seen = scripted(controller, [(NO_SPEC, "fallback"), (CHAIN, source), (NO_SPEC, "fallback")])
+    ids = ("a",)
+    first = controller.begin(BatchView(ids, (50,), (0.9,)))
+    assert first.skips_draft_extend  # "a" is behind after it
+    catch_up = controller.begin(BatchView(ids, (51,), (1.0,)))
+    assert catch_up.decision.source == "catch-up" and catch_up.decision.runner_up == CHAIN
+    known = controller.begin(BatchView(ids, (52,), (0.1,)))
+    if decides_again:
+        assert seen == [(0.9,), None, (0.1,)]
+        assert (known.decision.shape, known.decision.source) == (NO_SPEC, "fallback")
+    else:
+        assert len(seen) == 2 and known.decision.shape == CHAIN
