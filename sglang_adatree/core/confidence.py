@@ -6,9 +6,8 @@ top-k probabilities for the next position (SGLang's ``topk_p``). The probability
 token, the **draft confidence**, is well calibrated on the bundled head
 (``docs/notes/2026-12-02-draft-confidence.md``) and moves from step to step inside one answer,
 where the per-request factor (``acceptance.RequestAcceptance``) follows only a request's
-level. Where speculation costs one and a half to two and a half plain decodes, as on a CPU,
-declining the steps the draft is unsure of and drafting deeper where it is sure is worth more
-than any one shape.
+level. Where a speculative step costs well over a plain decode, declining the steps the draft
+is unsure of and drafting deeper where it is sure is worth more than any one shape.
 
 ``ConfidenceAcceptance`` keeps a factor on the expected accepted draft tokens for each bin of
 that probability (``BIN_EDGES``), learnt from the speculative steps whose confidence was

@@ -60,7 +60,10 @@ step time``. Each step, in order of precedence:
 
 Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
-that holds it.
+that holds it. A batch's expectation scales them by its requests' own acceptance factors
+(``RequestAcceptance``) and, for requests whose draft's confidence in its next token is known,
+by that confidence's factor (``core.confidence``): then each request's expectation is capped at
+what the shape can emit before the batch's mean is taken.
 
 The step controller adds one source of its own, ``CATCH_UP`` (``controller.StepController``): a
 step without speculation that brings the draft up to date before a speculative decision runs.
