@@ -389,10 +389,10 @@ class Policy:
             # judged against it.
             levels = self._levels(request_ids)  # [batch]
             scaled = self._confidence_factors(request_ids, confidence)  # [batch] or None
-            if scaled is None:
-                factor = self.requests.batch_factor(request_ids)
-            else:
-                factor = sum(f * c for f, c in zip(levels, scaled, strict=True)) / len(levels)
+            each = (
+                levels if scaled is None else [f * c for f, c in zip(levels, scaled, strict=True)]
+            )
+            factor = sum(each) / len(each) if each else 1.0  # as RequestAcceptance.batch_factor
             if request_ids:
                 ranks = host_lists(stats.accepted_rank)  # [batch][steps]
                 accepted = [sum(rank >= 0 for rank in row) for row in ranks]  # [batch]
