@@ -313,7 +313,8 @@ def test_declined_steps_are_priced_against_what_their_best_speculative_shape_wou
 
         def begin_logged(view):
             ticket = begin(view)
-            log.append((*policy.predictions(ticket.features, view.request_ids), ticket.features))
+            predictions = policy.predictions(ticket.features, view.request_ids, ticket.confidence)
+            log.append((*predictions, ticket.features))
             return ticket
 
         chooser.controller.begin = begin_logged

@@ -460,7 +460,7 @@ class ControllerChooser:
         ticket = self.controller.begin(view)
         shape = ticket.decision.shape
         if not shape.speculative and _KINDS.get(ticket.decision.source) == "chosen":
-            self._declined(batch, ticket.features, view.request_ids)
+            self._declined(batch, ticket.features, view.request_ids, ticket.confidence)
         # A step without speculation that runs the draft's extend (a catch-up, or any such step
         # where the extend is not skipped) costs what a catch-up costs.
         catch_up = self.charge_catch_up and not shape.speculative and not ticket.skips_draft_extend
@@ -487,14 +487,19 @@ class ControllerChooser:
         return shape, catch_up, done
 
     def _declined(
-        self, batch: list[_Request], features: StepFeatures, request_ids: Sequence[str]
+        self,
+        batch: list[_Request],
+        features: StepFeatures,
+        request_ids: Sequence[str],
+        confidence: Sequence[float | None] | None,
     ) -> None:
         """Tally the speculative shape the policy predicted best on a step it serves without
-        speculation, against what the traces say that shape would emit there."""
+        speculation (from the draft confidence the decision read), against what the traces say
+        that shape would emit there."""
         policy = self.controller.policy
         if not isinstance(policy, Policy):
             return
-        times, emitted = policy.predictions(features, request_ids)  # [candidates] each
+        times, emitted = policy.predictions(features, request_ids, confidence)  # [candidates]
         goodput = np.where([s.speculative for s in policy.candidates], emitted / times, -np.inf)
         if not np.isfinite(goodput).any():
             return
