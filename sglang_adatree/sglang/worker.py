@@ -309,8 +309,9 @@ class AdaTreeWorkerMixin:
         request (``core.confidence``): the top-1 of the top-k its extend relayed to this step.
         A request whose extend was skipped holds a placeholder there, which the controller
         does not read. On a GPU None: reading it before the decision would wait for the step
-        before to finish, which overlap scheduling runs beside this one's launch."""
-        if not self._on_cpu or not self._config.draft_confidence:
+        before to finish, which overlap scheduling runs beside this one's launch. None on the
+        ranks other than 0 too: only rank 0's controller decides."""
+        if self._loop is None or not self._on_cpu or not self._config.draft_confidence:
             return None
         topk_p = getattr(batch.spec_info, "topk_p", None)  # [batch, relay top-k], descending
         if topk_p is None or topk_p.dim() != 2 or topk_p.shape[0] != len(batch.reqs):
