@@ -63,6 +63,29 @@ def test_the_policy_speculates_where_the_draft_is_sure_and_declines_where_it_is_
     assert both == pytest.approx((sure + unsure) / 2)
 
 
+def test_each_requests_prediction_is_what_the_batch_mean_is_made_of():
+    policy = chain_gaining(0.10, new_batch_steps=0, min_gain=0.0)
+    rng = np.random.default_rng(1)
+    qs = rng.choice([0.05, 0.95], 300)
+    chain_steps(policy, qs, qs > 0.5)
+    # Two requests with their own levels: one accepted everything, one nothing.
+    for _ in range(20):
+        stats = AcceptedPathStats(torch.tensor([[1], [1]]), torch.tensor([[0], [-1]]))
+        policy.observe(batch(2), CHAIN, 10.0, stats, ["good", "bad"], [None, None])
+    ids, qs = ["good", "bad"], [0.95, 0.05]
+    each = policy.request_emitted(ids, qs)  # [batch, candidates]
+    assert each.shape == (2, len(policy.candidates))
+    assert each.mean(axis=0) == pytest.approx(policy.predictions(batch(2), ids, qs)[1])
+    chain = policy.candidates.index(CHAIN)
+    assert each[0, chain] > each[1, chain] and each[1, chain] >= 1.0
+    assert each[0, chain] <= CHAIN.steps + 1.0  # capped at what a step can emit
+    # The shape's estimate alone: one row for every request, whatever each has shown.
+    alone = policy.request_emitted(ids, qs, per_request=False)
+    assert alone[0] == pytest.approx(alone[1])
+    assert alone[0] == pytest.approx(policy.predictions(batch(1))[1])
+    assert alone[0, policy.candidates.index(NO_SPEC)] == 1.0
+
+
 def test_the_policy_ignores_the_confidence_when_told_to():
     policy = chain_gaining(0.10, new_batch_steps=0, min_gain=0.0, draft_confidence=False)
     chain_steps(policy, [0.05] * 50, [False] * 50)

@@ -21,6 +21,7 @@ from sglang_adatree.lab.simulator import (
     Arrivals,
     SimConfig,
     controller_chooser_factory,
+    hindsight_abs_error,
     simulate,
     static_chooser,
 )
@@ -356,3 +357,32 @@ def test_warm_up_requests_are_served_first_and_not_measured():
     )  # fmt: skip
     # The warmed loop has left its warm-up shapes behind by the measured requests.
     assert run.shape_shares != cold.shape_shares
+
+
+def test_every_candidates_error_is_judged_on_every_step_against_its_trace():
+    sim = SimConfig(Arrivals("closed", concurrency=2), num_requests=12, noise=0.05)
+    make = controller_chooser_factory(CONFIG, TRACES)
+    est = simulate(TRACES, profile(), sim, make, "adatree").estimates
+    # Requests of two classes: a level per request predicts them better than one estimate per
+    # shape, and the fit to the run's own steps in hindsight better still.
+    assert est.hindsight_abs_error < est.candidate_abs_error < est.shape_abs_error
+    # The references predict nothing.
+    static = simulate(TRACES, profile(), sim, lambda m, c: static_chooser(SHAPES[3]), "s")
+    assert static.estimates is None
+
+
+def test_the_hindsight_fit_is_a_product_of_a_request_level_and_a_confidence_level():
+    rng = np.random.default_rng(0)
+    keys = [(f"r{rng.integers(4)}", int(rng.integers(-1, 10))) for _ in range(400)]
+    level = {f"r{i}": f for i, f in enumerate((0.5, 1.0, 1.5, 2.0))}
+    bins = 0.2 + 0.1 * np.arange(-1, 10)  # [bins], bin -1 first
+    per_candidate = np.array([0.4, 1.1, 2.0])  # [candidates]
+    exact = 1.0 + np.array([level[r] * bins[b + 1] for r, b in keys])[:, None] * per_candidate
+    assert hindsight_abs_error(exact, keys) == pytest.approx(0.0, abs=1e-6)
+    # One request, one bin: each candidate's mean.
+    draws = rng.integers(1, 5, size=(300, 3)).astype(float)
+    one = [("r", 3)] * len(draws)
+    assert hindsight_abs_error(draws, one) == pytest.approx(
+        np.abs(draws - draws.mean(axis=0)).mean()
+    )
+    assert np.isnan(hindsight_abs_error(np.zeros((0, 0)), []))

@@ -436,6 +436,30 @@ class Policy:
             for e, most in zip(emitted, self._max_emitted, strict=True)
         ]
 
+    def request_emitted(
+        self,
+        request_ids: Sequence[str],
+        confidence: Sequence[float | None] | None = None,
+        *,
+        per_request: bool = True,
+    ) -> np.ndarray:
+        """``[batch, candidates]`` each request's expected emitted tokens under each candidate:
+        ``1 + f_r * c(q_r) * (E - 1)`` capped at what a step of the shape can emit, the
+        request's factor ``f_r`` and its confidence factor ``c(q_r)`` as ``decide`` reads them
+        (``draft_confidence``). ``per_request=False``: the shape's estimate ``E`` alone, the
+        same for every request, as the policy predicted before it kept anything per request
+        or per step (the lab's acceptance error measures the two against each other)."""
+        emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
+        if not per_request:
+            return np.tile(np.asarray(emitted), (len(request_ids), 1))
+        levels = self._levels(request_ids)  # [batch]
+        scaled = self._confidence_factors(request_ids, confidence)  # [batch] or None
+        if scaled is not None:
+            levels = [f * c for f, c in zip(levels, scaled, strict=True)]
+        gains = np.asarray(levels)[:, None]  # [batch, 1]
+        expected = np.asarray(emitted)[None, :]  # [1, candidates]
+        return np.clip(1.0 + gains * (expected - 1.0), 1.0, np.asarray(self._max_emitted))
+
     def _levels(self, request_ids: Sequence[str]) -> list[float]:
         """``[batch]`` each request's acceptance factor (``RequestAcceptance``)."""
         return [self.requests.factor(r) for r in request_ids]

@@ -94,6 +94,9 @@ def _estimates_row(e: EstimateErrors) -> dict[str, Any]:
         "declined_time_bias": r(e.declined_time_bias),
         "emitted_abs_error": r(e.emitted_abs_error),
         "step_ms_rel_error": r(e.step_ms_rel_error),
+        "candidate_abs_error": r(e.candidate_abs_error),
+        "shape_abs_error": r(e.shape_abs_error),
+        "hindsight_abs_error": r(e.hindsight_abs_error),
     }
 
 
@@ -114,6 +117,12 @@ def _estimates_line(e: EstimateErrors) -> str:
             f"priced {bias(e.declined_time_bias)} against no speculation)"
         )
     parts.append(f"|error| {e.emitted_abs_error:.2f} tokens, step time {e.step_ms_rel_error:.1%}")
+    if math.isfinite(e.candidate_abs_error):
+        parts.append(
+            f"every candidate's |error| {e.candidate_abs_error:.3f} tokens (the shape's "
+            f"estimate alone {e.shape_abs_error:.3f}, fitted in hindsight "
+            f"{e.hindsight_abs_error:.3f})"
+        )
     return "; ".join(parts)
 
 

@@ -40,6 +40,7 @@ when it has no figure of its own (``notes["catch_up_ms"]``).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.confidence import BIN_EDGES
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
 from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
@@ -59,6 +61,10 @@ from sglang_adatree.core.step_profile import StepTimeProfile
 from sglang_adatree.lab.traces import RequestTrace, TraceSet
 
 CHAIN_1 = TreeShape(1, 1, 2)
+# Rounds of the hindsight fit's alternating ratios (``hindsight_abs_error``); its error moves
+# by under 0.001 tokens after a few.
+HINDSIGHT_ROUNDS = 12
+
 # A prefill's prompt tokens run as one batched forward, many tokens for about the price of one
 # decode step: a prefill costs one step without speculation per this many prompt tokens, and
 # one more (the bundled target's served TTFTs on a CPU are in that range, docs/lab.md).
@@ -156,6 +162,19 @@ class EstimateErrors:
     corrects an estimate that reads low there, nor its price against no speculation, which the
     declined steps' times say nothing about: ``declined_time_bias``. Step times: the relative
     error of every step whose time teaches the cost model (not catch-up steps).
+
+    The acceptance error per step (``candidate_abs_error``) is not judged on the steps a policy
+    chose to run, whose selection favours the estimates that read high: on every step of the
+    run, every speculative candidate's prediction for each request (``Policy.request_emitted``,
+    with what the decision read of the request and of its draft's confidence) against what the
+    traces say that request would emit under it, the mean of ``|predicted - emitted|`` over
+    request-steps and candidates. ``shape_abs_error`` is the same for the shape's estimate
+    alone, one value for every request and step, as the policy predicted before it kept
+    anything per request or per step. ``hindsight_abs_error`` is the same for the prediction
+    fitted to these very steps after the run, per candidate, from everything the policy could
+    know before a step: its request and the tenth of its draft's confidence (where the traces
+    carry it). An estimate learnt online from the same two things has less to go on, so it
+    says how far the error can fall with them before the draw of each step is all that is left.
     """
 
     chosen_steps: int
@@ -172,6 +191,11 @@ class EstimateErrors:
     declined_time_ratio: float
     emitted_abs_error: float  # mean |predicted - emitted| per request, every speculative step
     step_ms_rel_error: float  # mean |predicted - measured| / measured step time
+    # Mean |predicted - emitted| per request and speculative candidate, on every step: the
+    # policy's prediction, and the shape's estimate alone.
+    candidate_abs_error: float = math.nan
+    shape_abs_error: float = math.nan
+    hindsight_abs_error: float = math.nan
 
     @property
     def chosen_bias(self) -> float:
@@ -208,6 +232,11 @@ class _EstimateTally:
         self.abs_error = [0, 0.0]  # request-steps, sum of |predicted - emitted|
         self.step_error = [0, 0.0]  # steps, sum of relative step-time errors
         self.declined_time = 0.0  # sum over declined steps of predicted / true time ratios
+        # Request-candidate pairs, sums of |predicted - emitted| for the policy's prediction
+        # and for the shape's estimate alone.
+        self.candidate_error = [0, 0.0, 0.0]
+        self.would: list[np.ndarray] = []  # per step, [batch, speculative candidates]
+        self.keys: list[tuple[str, int]] = []  # per request-step: its request, confidence bin
 
     def add(self, decision: Decision, emitted: Sequence[int], measured_ms: float) -> None:
         """A step run as ``decision`` said: each request's emitted tokens and its time."""
@@ -229,6 +258,22 @@ class _EstimateTally:
         price against no speculation over the true one."""
         self._count("declined", predicted, would_emit)
         self.declined_time += time_ratio
+
+    def add_candidates(
+        self,
+        predicted: np.ndarray,
+        shape_only: np.ndarray,
+        would: np.ndarray,
+        keys: Sequence[tuple[str, int]],
+    ) -> None:
+        """One step's ``[batch, speculative candidates]`` predicted emitted tokens, the shape's
+        estimates alone, and what the traces say each request would emit under each; ``keys``
+        ``[batch]`` each request's id and the bin of its draft's confidence (-1: unknown)."""
+        self.candidate_error[0] += would.size
+        self.candidate_error[1] += float(np.abs(predicted - would).sum())
+        self.candidate_error[2] += float(np.abs(shape_only - would).sum())
+        self.would.append(would)
+        self.keys.extend(keys)
 
     def _count(self, kind: str, predicted: float, emitted: Sequence[int]) -> None:
         sums = self.kinds[kind]
@@ -255,7 +300,41 @@ class _EstimateTally:
             declined_time_ratio=mean(self.declined_time, declined[0]),
             emitted_abs_error=mean(self.abs_error[1], self.abs_error[0]),
             step_ms_rel_error=mean(self.step_error[1], self.step_error[0]),
+            candidate_abs_error=mean(self.candidate_error[1], self.candidate_error[0]),
+            shape_abs_error=mean(self.candidate_error[2], self.candidate_error[0]),
+            hindsight_abs_error=hindsight_abs_error(
+                np.concatenate(self.would) if self.would else np.zeros((0, 0)), self.keys
+            ),
         )
+
+
+def hindsight_abs_error(would: np.ndarray, keys: Sequence[tuple[str, int]]) -> float:
+    """Mean ``|predicted - emitted|`` over ``would`` ``[request-steps, candidates]`` of the
+    prediction fitted to it in hindsight: per candidate, ``1 + m * f_r * c_b`` with ``m`` its
+    mean accepted draft tokens, ``f_r`` a factor per request and ``c_b`` one per confidence
+    bin (``keys`` ``[request-steps]``), fitted by alternating ratios (each factor the ratio of
+    what its steps accepted to what the other factor expects of them). NaN: nothing to fit."""
+    if would.size == 0:
+        return math.nan
+    _, request = np.unique([k[0] for k in keys], return_inverse=True)  # [request-steps]
+    _, level = np.unique([k[1] for k in keys], return_inverse=True)  # [request-steps]
+    accepted = would.astype(float) - 1.0  # [request-steps, candidates]
+    m = accepted.mean(axis=0)  # [candidates]
+    f = np.ones((request.max() + 1, would.shape[1]))  # [requests, candidates]
+    c = np.ones((level.max() + 1, would.shape[1]))  # [bins, candidates]
+
+    def ratio(groups: np.ndarray, size: int, expected: np.ndarray) -> np.ndarray:
+        num = np.zeros((size, would.shape[1]))
+        den = np.zeros((size, would.shape[1]))
+        np.add.at(num, groups, accepted)
+        np.add.at(den, groups, expected)
+        return np.divide(num, den, out=np.ones_like(num), where=den > 0)
+
+    for _ in range(HINDSIGHT_ROUNDS):
+        c = ratio(level, len(c), m * f[request])
+        f = ratio(request, len(f), m * c[level])
+    predicted = 1.0 + m * f[request] * c[level]
+    return float(np.abs(predicted - would).mean())
 
 
 _KINDS = {
@@ -413,6 +492,11 @@ def oracle_chooser(
     return choose
 
 
+def _bin(confidence: float) -> int:
+    """The confidence bin of a draft's top-1 probability, as the policy's bins cut it."""
+    return bisect.bisect_right(BIN_EDGES, float(confidence))
+
+
 def confidence_column(traces: TraceSet) -> int | None:
     """The column of ``traces`` whose draft expectation is the draft's confidence in its first
     token (the one-token chain's: one node, its probability); None where the traces hold no
@@ -445,6 +529,8 @@ class ControllerChooser:
         self.refits = True  # hand the controller its refits, as the control poller would
         self.estimates = _EstimateTally()
         self._confidence_column = confidence_column(traces)
+        # The policy's speculative candidates and their trace columns, found on first use.
+        self._speculative_columns: tuple[list[int], list[int]] | None = None
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
         if self.before_begin is not None:
@@ -461,6 +547,7 @@ class ControllerChooser:
         shape = ticket.decision.shape
         if not shape.speculative and _KINDS.get(ticket.decision.source) == "chosen":
             self._declined(batch, ticket.features, view.request_ids, ticket.confidence)
+        self._candidates(batch, view.request_ids, ticket.confidence)
         # A step without speculation that runs the draft's extend (a catch-up, or any such step
         # where the extend is not skipped) costs what a catch-up costs.
         catch_up = self.charge_catch_up and not shape.speculative and not ticket.skips_draft_extend
@@ -485,6 +572,37 @@ class ControllerChooser:
                 self.controller.apply(update)
 
         return shape, catch_up, done
+
+    def _candidates(
+        self,
+        batch: list[_Request],
+        request_ids: Sequence[str],
+        confidence: Sequence[float | None] | None,
+    ) -> None:
+        """Tally every speculative candidate's prediction for each request of this step, as
+        the decision read it, against what the traces say the request would emit under it."""
+        policy = self.controller.policy
+        if not isinstance(policy, Policy):
+            return
+        columns = self._speculative_columns
+        if columns is None:
+            wanted = [i for i, s in enumerate(policy.candidates) if s.speculative]
+            columns = (wanted, [self.traces.column(policy.candidates[i]) for i in wanted])
+            self._speculative_columns = columns
+        which, trace_columns = columns
+        if not which:
+            return
+        would = np.stack(
+            [r.trace.emitted[r.position, trace_columns] for r in batch]
+        )  # [batch, speculative candidates]
+        predicted = policy.request_emitted(request_ids, confidence)[:, which]
+        shape_only = policy.request_emitted(request_ids, per_request=False)[:, which]
+        column = self._confidence_column
+        keys = [
+            (rid, -1 if column is None else _bin(r.trace.draft_expected[r.position, column]))
+            for rid, r in zip(request_ids, batch, strict=True)
+        ]
+        self.estimates.add_candidates(predicted, shape_only, would, keys)
 
     def _declined(
         self,
