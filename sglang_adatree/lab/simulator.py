@@ -40,7 +40,6 @@ when it has no figure of its own (``notes["catch_up_ms"]``).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import math
 from collections.abc import Callable, Sequence
@@ -51,7 +50,6 @@ import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptedPathStats
-from sglang_adatree.core.confidence import BIN_EDGES
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
 from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
@@ -171,9 +169,9 @@ class EstimateErrors:
     request-steps and candidates. ``shape_abs_error`` is the same for the shape's estimate
     alone, one value for every request and step, as the policy predicted before it kept
     anything per request or per step. ``hindsight_abs_error`` is the same for the prediction
-    fitted to these very steps after the run, per candidate, from everything the policy could
-    know before a step: its request and the tenth of its draft's confidence (where the traces
-    carry it). An estimate learnt online from the same two things has less to go on, so it
+    fitted to these very steps after the run, per candidate, from the two things the policy
+    reads of a step before it: its request and the tenth of its draft's confidence (where the
+    traces carry it). An estimate learnt online from the same two things has less to go on, so it
     says how far the error can fall with them before the draw of each step is all that is left.
     """
 
@@ -192,7 +190,7 @@ class EstimateErrors:
     emitted_abs_error: float  # mean |predicted - emitted| per request, every speculative step
     step_ms_rel_error: float  # mean |predicted - measured| / measured step time
     # Mean |predicted - emitted| per request and speculative candidate, on every step: the
-    # policy's prediction, and the shape's estimate alone.
+    # policy's prediction, the shape's estimate alone, the fit in hindsight.
     candidate_abs_error: float = math.nan
     shape_abs_error: float = math.nan
     hindsight_abs_error: float = math.nan
@@ -492,11 +490,6 @@ def oracle_chooser(
     return choose
 
 
-def _bin(confidence: float) -> int:
-    """The confidence bin of a draft's top-1 probability, as the policy's bins cut it."""
-    return bisect.bisect_right(BIN_EDGES, float(confidence))
-
-
 def confidence_column(traces: TraceSet) -> int | None:
     """The column of ``traces`` whose draft expectation is the draft's confidence in its first
     token (the one-token chain's: one node, its probability); None where the traces hold no
@@ -529,8 +522,14 @@ class ControllerChooser:
         self.refits = True  # hand the controller its refits, as the control poller would
         self.estimates = _EstimateTally()
         self._confidence_column = confidence_column(traces)
-        # The policy's speculative candidates and their trace columns, found on first use.
-        self._speculative_columns: tuple[list[int], list[int]] | None = None
+        # adatree's policy's speculative candidates, and their columns in the traces.
+        policy = controller.policy
+        self._speculative = (
+            [i for i, s in enumerate(policy.candidates) if s.speculative]
+            if isinstance(policy, Policy)
+            else []
+        )
+        self._speculative_columns = [traces.column(policy.candidates[i]) for i in self._speculative]
 
     def __call__(self, batch: list[_Request], features: StepFeatures):
         if self.before_begin is not None:
@@ -582,26 +581,20 @@ class ControllerChooser:
         """Tally every speculative candidate's prediction for each request of this step, as
         the decision read it, against what the traces say the request would emit under it."""
         policy = self.controller.policy
-        if not isinstance(policy, Policy):
-            return
-        columns = self._speculative_columns
-        if columns is None:
-            wanted = [i for i, s in enumerate(policy.candidates) if s.speculative]
-            columns = (wanted, [self.traces.column(policy.candidates[i]) for i in wanted])
-            self._speculative_columns = columns
-        which, trace_columns = columns
-        if not which:
+        which = self._speculative
+        if not which or not isinstance(policy, Policy):
             return
         would = np.stack(
-            [r.trace.emitted[r.position, trace_columns] for r in batch]
+            [r.trace.emitted[r.position, self._speculative_columns] for r in batch]
         )  # [batch, speculative candidates]
         predicted = policy.request_emitted(request_ids, confidence)[:, which]
         shape_only = policy.request_emitted(request_ids, per_request=False)[:, which]
+        # Each request and the bin of its draft's confidence, as the policy's bins cut it.
         column = self._confidence_column
-        keys = [
-            (rid, -1 if column is None else _bin(r.trace.draft_expected[r.position, column]))
-            for rid, r in zip(request_ids, batch, strict=True)
-        ]
+        keys = []
+        for rid, r in zip(request_ids, batch, strict=True):
+            q = None if column is None else float(r.trace.draft_expected[r.position, column])
+            keys.append((rid, -1 if q is None else policy.confidence.bin(q)))
         self.estimates.add_candidates(predicted, shape_only, would, keys)
 
     def _declined(
