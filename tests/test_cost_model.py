@@ -341,7 +341,7 @@ def _kalman_reference(steps, decay, profile_error):
         x = x + k * (math.log(measured / predicted) - h @ x)
         p = p - np.outer(k, h @ p)
         residual.update(shape, measured, predicted, lever)
-    return residual, x, shapes
+    return residual, x, shapes, p
 
 
 @pytest.mark.parametrize("profile_error", [None, 0.2])
@@ -355,7 +355,7 @@ def test_the_filter_is_the_matrix_kalman_filter(profile_error):
         shape = shapes[rng.integers(len(shapes))]
         lever = float(rng.uniform(0.1, 0.8)) if shape.speculative else 0.0
         steps.append((shape, float(rng.uniform(20, 80)), float(rng.uniform(20, 80)), lever))
-    residual, x, order = _kalman_reference(steps, 0.05, profile_error)
+    residual, x, order, p = _kalman_reference(steps, 0.05, profile_error)
     assert residual.split().tilt == pytest.approx(x[1], rel=1e-9, abs=1e-12)
     assert residual.split().offset == pytest.approx(x[2], rel=1e-9, abs=1e-12)
     for j, shape in enumerate(order):
@@ -367,6 +367,45 @@ def test_the_filter_is_the_matrix_kalman_filter(profile_error):
     assert residual.factors(order, levers) == pytest.approx(
         [residual.factor(s, lv) for s, lv in zip(order, levers.tolist(), strict=True)], rel=1e-12
     )
+    # How far each price may be off against a reference: the variance of the difference of the
+    # two shapes' corrections, drift left out, in the noise's units.
+    spec = [1.0 if s.speculative else 0.0 for s in order]
+    for reference in (None, *order):
+        sds = residual.relative_sd(order, levers.tolist(), reference)
+        for j in range(len(order)):
+            h = np.zeros(3 + len(order))
+            h[1:3] = levers[j], spec[j]
+            h[3 + j] += 1.0
+            if reference is not None:
+                r = order.index(reference)
+                h[1:3] -= levers[r], spec[r]
+                h[3 + r] -= 1.0
+            expected = math.sqrt(residual.noise_var * max(h @ p @ h, 0.0))
+            assert sds[j] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        if reference is not None:
+            assert sds[order.index(reference)] == 0.0
+
+
+def test_a_shape_unrun_for_a_while_may_be_priced_further_off_than_one_run_beside_it():
+    # The chain runs; the tree 2,2,4 runs beside it every tenth step; 3,4,8 ran once, long ago.
+    # Against the chain, the tree's price is known to within its steps' noise, the deep tree's
+    # has walked since. The machine's speed, common to all three, is not part of either.
+    rng = np.random.default_rng(0)
+    residual = ResidualCorrection(0.05)
+    chain, tree, deep = TreeShape(1, 1, 2), TreeShape(2, 2, 4), TreeShape(3, 4, 8)
+    shapes, levers = (chain, tree, deep), [0.1, 0.25, 0.5]
+    residual.update(deep, 150.0, 140.0, levers[2])
+    for t in range(600):
+        i = 1 if t % 10 == 0 else 0
+        ms = 100.0 * math.exp(0.15 * rng.standard_normal() + 0.3 * math.sin(t / 50.0))
+        residual.update(shapes[i], ms, 100.0, levers[i])
+    sd = residual.relative_sd(shapes, levers, chain)
+    assert sd[0] == 0.0 < sd[1] < 0.1 < sd[2]
+    # The answer is kept until the next update, and recomputed after it.
+    assert residual.relative_sd(shapes, levers, chain) is sd
+    residual.update(deep, 120.0, 100.0, levers[2])
+    after = residual.relative_sd(shapes, levers, chain)
+    assert after is not sd and after[2] < sd[2]
 
 
 def test_replay_is_observing_in_order():

@@ -326,6 +326,10 @@ class ResidualCorrection:
         self._cached_at: list[int] = []  # [shapes] positions
         self._cached_factors: list[float] = []  # [shapes] the corrections
         self._split: PriceSplit | None = None  # the last ``split``, until an update
+        # The last ``relative_sd`` asked for (shapes, levers, reference) and its answer, until
+        # an update.
+        self._sd_key: tuple[object, object, TreeShape | None] | None = None
+        self._sd: list[float] = []
 
     def _at(self, shape: TreeShape) -> int:
         i = self._position.get(shape)
@@ -389,6 +393,7 @@ class ResidualCorrection:
         self._measured[shape] = self._measured.get(shape, 0) + 1
         self._levers_given = None  # the kept factors are stale: ``factors`` recomputes them
         self._split = None
+        self._sd_key = None
 
     def _profile_var(self, error: float) -> float:
         """A profile-priced part's variance, in noise units, before its shape is measured."""
@@ -444,6 +449,45 @@ class ResidualCorrection:
                 for lever, spec, at in zip(levers, self._cached_spec, self._cached_at, strict=True)
             ]
         return self._cached_factors
+
+    def relative_sd(
+        self,
+        shapes: Sequence[TreeShape],
+        levers: Sequence[float],
+        reference: TreeShape | None = None,
+    ) -> list[float]:
+        """``[len(shapes)]`` how far each shape's price may be off against ``reference``'s (one
+        of ``shapes``): the standard deviation of its correction less the reference's, in log
+        units (about the fraction by which its price relative to the reference's may be off).
+        The drift is common to both and drops out; what is left is the split's share (where the
+        two shapes' levers differ) and the two shapes' parts. The reference itself reads 0, a
+        shape measured beside it lately little, one that has not run for a while more, by its
+        part's walk. ``reference`` None: against the machine's speed alone. ``levers`` as in
+        ``update``; pass the same objects while nothing changed: the result is kept for them."""
+        key = (shapes, levers, reference)
+        old = self._sd_key
+        if old is not None and old[0] is shapes and old[1] is levers and old[2] == reference:
+            return self._sd
+        at = [self._at(s) for s in shapes]  # a shape never seen joins the state first
+        spec = [1.0 if s.speculative else 0.0 for s in shapes]
+        ref_lever = ref_spec = 0.0
+        ref_at = -1
+        if reference is not None:
+            r = list(shapes).index(reference)
+            ref_lever, ref_spec, ref_at = levers[r], spec[r], at[r]
+        cov, noise = self._cov, math.sqrt(self.noise_var)
+        out = []
+        for lever, sp, i in zip(levers, spec, at, strict=True):
+            # The difference's coefficients on the tilt (state 1), the offset (2) and the parts.
+            terms = {1: lever - ref_lever, 2: sp - ref_spec}
+            terms[i] = terms.get(i, 0.0) + 1.0
+            if ref_at >= 0:
+                terms[ref_at] = terms.get(ref_at, 0.0) - 1.0
+            live = [(k, c) for k, c in terms.items() if c]
+            var = sum(ca * cb * cov[a][b] for a, ca in live for b, cb in live)
+            out.append(noise * math.sqrt(max(var, 0.0)))
+        self._sd_key, self._sd = key, out
+        return out
 
     def measured(self, shape: TreeShape) -> int:
         """Steps of ``shape`` whose time was measured."""
@@ -565,6 +609,17 @@ class OnlineCostModel:
         row = self._raw_list(features, shapes)
         factors = self.residual.factors(shapes, self._last_levers)
         return [ms * f for ms, f in zip(row, factors, strict=True)]
+
+    def relative_sd(
+        self,
+        features: StepFeatures,
+        shapes: Sequence[TreeShape],
+        reference: TreeShape | None = None,
+    ) -> list[float]:
+        """``[len(shapes)]`` how far each shape's corrected price for this batch may be off
+        against ``reference``'s, in log units (``ResidualCorrection.relative_sd``)."""
+        self._raw_list(features, shapes)
+        return self.residual.relative_sd(shapes, self._last_levers, reference)
 
     def predict_ms(self, features: StepFeatures, shape: TreeShape) -> float:
         raw, lever = self._raw_and_lever(features, shape)
