@@ -172,6 +172,16 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 1.0,
     ),
     Setting(
+        "explore_optimism",
+        1.0,
+        "[0, 5]",
+        "an exploring step runs the eligible shape with the best goodput when each shape's "
+        "price is lowered by this many standard deviations of how far it may be off against "
+        "the chosen shape's (0: the runner-up by the estimates)",
+        _float,
+        lambda v: 0.0 <= v <= 5.0,
+    ),
+    Setting(
         "explore_seed",
         0,
         ">= 0",
@@ -357,6 +367,7 @@ class AdaTreeConfig:
     new_batch_probe: bool = DEFAULTS["new_batch_probe"]
     explore_fraction: float = DEFAULTS["explore_fraction"]
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
+    explore_optimism: float = DEFAULTS["explore_optimism"]
     explore_seed: int = DEFAULTS["explore_seed"]
     warmup_steps: int = DEFAULTS["warmup_steps"]
     warmup_run_steps: int = DEFAULTS["warmup_run_steps"]

@@ -16,11 +16,12 @@ step time``. Each step, in order of precedence:
    step-time profile runs no warm-up (``controller.StepController``).
 3. exploration: on a deterministic ``explore_fraction`` of steps (a phase drawn from
    ``explore_seed``, then evenly spaced by the step counter) another shape runs
-   (``EXPLORE``): on every other exploring step the runner-up, the shape the decision turns
-   on (a stale estimate of a near tie is what keeps the policy on the wrong side of it: one
-   low estimate of the shape that would win is never re-measured while the other runs), and
-   on the rest the candidate with the fewest measured steps, ties broken by shape order, so
-   every eligible shape keeps some evidence. Only candidates whose predicted goodput is within
+   (``EXPLORE``): a shape the decision turns on (a stale estimate of a near tie is what keeps
+   the policy on the wrong side of it: one low estimate of the shape that would win is never
+   re-measured while the other runs), chosen by its predicted goodput with its price lowered by
+   ``explore_optimism`` standard deviations of how far it may be off against the chosen
+   shape's: the runner-up while every price is known, a shape left unrun for a while once its
+   price may be off (``_explored``). Only candidates whose predicted goodput is within
    ``explore_max_loss`` (relative) of the best are eligible, so an exploring step costs at
    most that share of a step: measured on a CPU, unbounded exploration spent 2% of the steps
    on trees two to four times slower than plain decoding, 3-5% of the throughput. A shape
@@ -223,7 +224,6 @@ class Policy:
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
         self._explore_phase = random.Random(config.explore_seed).random()
-        self._explorations = 0
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         self.confidence = ConfidenceAcceptance()
         # Per candidate: the most a step can emit, and whether it speculates.
@@ -296,7 +296,7 @@ class Policy:
             if probe is not None:
                 best, source = self._index[probe], DecisionSource.PROBE
         if self._explores(step - self._warmup_end):
-            explored = self._explored(np.divide(emitted, times), best)
+            explored = self._explored(features, times, emitted, best)
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         return self._decision(self.current, source, times, emitted)
@@ -512,19 +512,36 @@ class Policy:
             (k - 1) * f + self._explore_phase
         )
 
-    def _explored(self, goodput: np.ndarray, chosen: int) -> TreeShape:
-        """The shape an exploring step runs instead of ``chosen``: alternately the runner-up
-        and the least-measured candidate, among those whose ``goodput`` ``[candidates]`` is
-        within ``explore_max_loss`` of the best (``chosen`` itself when no other one is)."""
-        self._explorations += 1
-        eligible = goodput >= (1.0 - self.config.explore_max_loss) * goodput.max()
-        eligible[chosen] = False
-        if not eligible.any():
+    def _explored(
+        self, features: StepFeatures, times: list[float], emitted: list[float], chosen: int
+    ) -> TreeShape:
+        """The shape an exploring step runs instead of ``chosen``: of the candidates whose
+        predicted goodput is within ``explore_max_loss`` of the best, the one whose goodput is
+        highest with its price lowered by ``explore_optimism`` standard deviations of how far
+        it may be off against the chosen shape's (``ResidualCorrection.relative_sd``);
+        ``chosen`` itself when no other one is eligible.
+
+        A shape's price relative to the chosen one is measured only where the two run close
+        together: while one shape runs, its steps set the machine's speed. The policy leaves a
+        shape when its price reads high, on a few slow steps of its own as well as on a real
+        change, and nothing prices it again until it runs: on the second CPU the tree 2,2,4
+        read 10-20% dear for hundreds of steps while the chain ran
+        (``docs/notes/2026-12-07-exploration-by-price-uncertainty.md``). So an exploring step
+        goes to the near tie whose price may be furthest off in its favour: the runner-up
+        while every price is known, a shape left unrun for a while once its part has walked
+        (``PART_WALK``). A cost model without a residual correction (the lab's true step times)
+        explores the runner-up."""
+        goodput = [e / t for e, t in zip(emitted, times, strict=True)]  # [candidates]
+        floor = (1.0 - self.config.explore_max_loss) * max(goodput)
+        eligible = [i for i, g in enumerate(goodput) if g >= floor and i != chosen]
+        if not eligible:
             return self.candidates[chosen]
-        if self._explorations % 2:
-            return self.candidates[int(np.argmax(np.where(eligible, goodput, -np.inf)))]
-        counts = np.where(eligible, np.array(self.measured), np.iinfo(np.int64).max)
-        return self.candidates[int(np.argmin(counts))]
+        kappa = self.config.explore_optimism
+        relative_sd = getattr(self.cost_model, "relative_sd", None)
+        if kappa > 0.0 and relative_sd is not None:
+            sds = relative_sd(features, self.candidates, self.candidates[chosen])
+            goodput = [g * math.exp(kappa * sd) for g, sd in zip(goodput, sds, strict=True)]
+        return self.candidates[max(eligible, key=goodput.__getitem__)]  # the first of equals
 
     def _decision(
         self, shape: TreeShape, source: DecisionSource, times: list[float], emitted: list[float]
