@@ -171,3 +171,20 @@ def test_a_profiled_start_is_off_by_one_seeded_factor_a_shape():
     assert not np.array_equal(sources.profiled_start(h100, 0.05, seed=4).ms, a.ms)
     with pytest.raises(sources.SourceError, match="in \\[0, 1\\]"):
         sources.profiled_start(h100, -0.1, seed=3)
+
+
+def test_the_loss_split_in_another_order(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    order = "step-time,acceptance,exploration,switching"
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet", "--decompose-order", order]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    by = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert list(by["adatree"]["gap_by_cause"]) == [*order.split(","), "rest"]
+    assert "adatree+step-time" in by
+    assert "by cause: step-time" in capsys.readouterr().out
+
+
+def test_a_decomposition_order_that_misses_a_cause_is_refused(capsys):
+    args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet"]
+    assert cli.main([*args, "--decompose-order", "step-time,acceptance"]) != 0
+    assert "--decompose-order names each of" in capsys.readouterr().err

@@ -219,6 +219,27 @@ def test_the_runner_scores_every_policy_and_splits_adatrees_loss():
     assert result.ratio(f"adatree+{'+'.join(DECOMPOSITION)}", "per-step-oracle") > 0.9
 
 
+def test_the_split_replaces_the_causes_in_the_order_asked():
+    # Another order names other variants and may move a cause's share, but its last variant has
+    # every estimate true, as the default order's has, and its shares add up to the same gap.
+    sim = SimConfig(Arrivals("closed", concurrency=2), num_requests=12, noise=0.05, drift=0.1)
+    order = ("step-time", "exploration", "acceptance", "switching")
+    default = run_scenario(TRACES, profile(), sim, CONFIG, SHAPES, policies=("adatree",))
+    other = run_scenario(
+        TRACES, profile(), sim, CONFIG, SHAPES, policies=("adatree",), decompose_order=order
+    )
+    assert tuple(other.decomposition) == (*order, "rest")
+    assert "adatree+step-time" in other.runs and "adatree+step-time" not in default.runs
+    assert other.runs[f"adatree+{'+'.join(order)}"].goodput_tok_s == pytest.approx(
+        default.runs[f"adatree+{'+'.join(DECOMPOSITION)}"].goodput_tok_s
+    )
+    assert sum(other.decomposition.values()) == pytest.approx(
+        sum(default.decomposition.values()), abs=1e-9
+    )
+    with pytest.raises(ValueError, match="each of"):
+        run_scenario(TRACES, profile(), sim, CONFIG, SHAPES, decompose_order=order[:3])
+
+
 def test_a_server_priced_by_a_profile_stops_speculating_on_a_machine_where_trees_cost_more():
     # The machine splits its time otherwise than the profile the controller starts from:
     # every tree's ratio to plain decoding is the profile's raised to exp(1.2), and plain

@@ -38,7 +38,7 @@ from sglang_adatree.core.step_profile import (
     load_profile_step_time,
 )
 from sglang_adatree.lab import report, sources
-from sglang_adatree.lab.runner import run_scenario
+from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
 from sglang_adatree.lab.scenarios import GRIDS, Scenario, all_scenarios
 from sglang_adatree.lab.sources import SourceError
 from sglang_adatree.telemetry.store import SchemaError
@@ -76,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "no speculation's is the profile's raised to exp(T) (e.g. 0.4: trees dearer)",
     )
     parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
+    parser.add_argument(
+        "--decompose-order",
+        metavar="CAUSES",
+        default=",".join(DECOMPOSITION),
+        help="the order in which the loss split replaces the causes, comma-separated "
+        f"(default {','.join(DECOMPOSITION)})",
+    )
     parser.add_argument("--home", default=None, help="data directory (traces are cached there)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -110,6 +117,16 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
+def _decompose_order(text: str) -> tuple[str, ...]:
+    """``--decompose-order``'s causes, each of ``DECOMPOSITION`` once."""
+    order = tuple(c.strip() for c in text.split(",") if c.strip())
+    if sorted(order) != sorted(DECOMPOSITION):
+        raise SourceError(
+            f"--decompose-order names each of {','.join(DECOMPOSITION)} once, got {text!r}"
+        )
+    return order
+
+
 def _profiled(
     args: argparse.Namespace, config: AdaTreeConfig, profile: StepTimeProfile, s: Scenario
 ) -> ProfileStepTime | None:
@@ -132,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(home=args.home)
         scenarios = _scenarios(args)
+        order = _decompose_order(args.decompose_order)
         replayed = []
         started = time.perf_counter()
         for i, s in enumerate(scenarios, start=1):
@@ -155,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 s.candidates,
                 decompose=not args.no_decompose,
                 profiled=profiled,
+                decompose_order=order,
             )
             replayed.append(
                 report.Replayed(

@@ -25,7 +25,7 @@ from typing import Any
 import plotly
 import plotly.graph_objects as go
 
-from sglang_adatree.lab.runner import DECOMPOSITION, ScenarioResult
+from sglang_adatree.lab.runner import ScenarioResult
 from sglang_adatree.lab.scenarios import Scenario
 from sglang_adatree.lab.simulator import EstimateErrors
 
@@ -217,7 +217,7 @@ def table(replayed: Sequence[Replayed]) -> str:
         if estimates is not None and estimates.chosen_steps:
             lines.append(f"{'':32s}   estimates: {_estimates_line(estimates)}")
         if res.decomposition and res.ratio("adatree", "oracle-static") < 1.0:
-            parts = ", ".join(f"{c} {res.decomposition[c]:+.1%}" for c in (*DECOMPOSITION, "rest"))
+            parts = ", ".join(f"{c} {share:+.1%}" for c, share in res.decomposition.items())
             lines.append(f"{'':32s}   gap to the per-step oracle by cause: {parts}")
     summary = summarize(replayed)
     if summary is not None:

@@ -196,10 +196,22 @@ def run_scenario(
     decompose: bool = True,
     timelines: Sequence[str] = ("adatree", "per-step-oracle"),
     profiled: StepTimeModel | None = None,
+    decompose_order: Sequence[str] = DECOMPOSITION,
 ) -> ScenarioResult:
     """Run every policy (``policies`` empty: all of them) on one scenario; with ``profiled``
     (a deployment's step-time profile, ``step_profile.ProfileStepTime``) the policies that run
-    the step controller start from it, as a server with ``step_time_profile`` does."""
+    the step controller start from it, as a server with ``step_time_profile`` does.
+
+    ``decompose_order``: the causes in the order the decomposition replaces them, each of
+    ``DECOMPOSITION`` once. A cause's share is what replacing it gains after the ones before
+    it, so the order can move a share: where two estimates err together (a stale price and the
+    acceptance of the shape it keeps the policy on), the first replaced takes the gain both
+    would have."""
+    if sorted(decompose_order) != sorted(DECOMPOSITION):
+        raise ValueError(
+            f"a decomposition order names each of {', '.join(DECOMPOSITION)} once, "
+            f"not {', '.join(decompose_order) or 'none'}"
+        )
     candidates = tuple(candidates)
     config = config.replace(candidate_shapes=candidates, record_steps=False)
     runs: dict[str, RunResult] = {}
@@ -227,9 +239,10 @@ def run_scenario(
     if decompose and "adatree" in runs:
         oracle = runs["per-step-oracle"].goodput_tok_s
         previous = runs["adatree"].goodput_tok_s
-        for i, cause in enumerate(DECOMPOSITION):
-            variant = f"adatree+{'+'.join(DECOMPOSITION[: i + 1])}"
-            run(variant, _variant(config, traces, DECOMPOSITION[: i + 1], profiled), sim)
+        order = tuple(decompose_order)
+        for i, cause in enumerate(order):
+            variant = f"adatree+{'+'.join(order[: i + 1])}"
+            run(variant, _variant(config, traces, order[: i + 1], profiled), sim)
             now = runs[variant].goodput_tok_s
             decomposition[cause] = (now - previous) / oracle if oracle > 0 else math.nan
             previous = now
