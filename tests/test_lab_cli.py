@@ -187,4 +187,4 @@ def test_the_loss_split_in_another_order(tmp_path, capsys):
 def test_a_decomposition_order_that_misses_a_cause_is_refused(capsys):
     args = ["simulate", "--scenario", "smoke-h100-c1", "--quiet"]
     assert cli.main([*args, "--decompose-order", "step-time,acceptance"]) != 0
-    assert "--decompose-order names each of" in capsys.readouterr().err
+    assert "a decomposition order names each of" in capsys.readouterr().err

@@ -525,7 +525,7 @@ class Policy:
         together: while one shape runs, its steps set the machine's speed. The policy leaves a
         shape when its price reads high, on a few slow steps of its own as well as on a real
         change, and nothing prices it again until it runs: on the second CPU the tree 2,2,4
-        read 10-20% dear for hundreds of steps while the chain ran
+        read 6-21% dear for hundreds of steps while other shapes ran
         (``docs/notes/2026-12-07-exploration-by-price-uncertainty.md``). So an exploring step
         goes to the near tie whose price may be furthest off in its favour: the runner-up
         while every price is known, a shape left unrun for a while once its part has walked

@@ -38,7 +38,7 @@ from sglang_adatree.core.step_profile import (
     load_profile_step_time,
 )
 from sglang_adatree.lab import report, sources
-from sglang_adatree.lab.runner import DECOMPOSITION, run_scenario
+from sglang_adatree.lab.runner import DECOMPOSITION, decomposition_order, run_scenario
 from sglang_adatree.lab.scenarios import GRIDS, Scenario, all_scenarios
 from sglang_adatree.lab.sources import SourceError
 from sglang_adatree.telemetry.store import SchemaError
@@ -117,16 +117,6 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
-def _decompose_order(text: str) -> tuple[str, ...]:
-    """``--decompose-order``'s causes, each of ``DECOMPOSITION`` once."""
-    order = tuple(c.strip() for c in text.split(",") if c.strip())
-    if sorted(order) != sorted(DECOMPOSITION):
-        raise SourceError(
-            f"--decompose-order names each of {','.join(DECOMPOSITION)} once, got {text!r}"
-        )
-    return order
-
-
 def _profiled(
     args: argparse.Namespace, config: AdaTreeConfig, profile: StepTimeProfile, s: Scenario
 ) -> ProfileStepTime | None:
@@ -149,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(home=args.home)
         scenarios = _scenarios(args)
-        order = _decompose_order(args.decompose_order)
+        order = decomposition_order([c.strip() for c in args.decompose_order.split(",")])
         replayed = []
         started = time.perf_counter()
         for i, s in enumerate(scenarios, start=1):

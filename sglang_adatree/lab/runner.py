@@ -186,6 +186,18 @@ def _per_step_oracle(
     return best
 
 
+def decomposition_order(causes: Sequence[str]) -> tuple[str, ...]:
+    """``causes`` as an order of the loss split; ValueError unless it names each of
+    ``DECOMPOSITION`` once."""
+    order = tuple(causes)
+    if sorted(order) != sorted(DECOMPOSITION):
+        raise ValueError(
+            f"a decomposition order names each of {','.join(DECOMPOSITION)} once, "
+            f"not {','.join(order) or 'none'}"
+        )
+    return order
+
+
 def run_scenario(
     traces: TraceSet,
     profile: StepTimeProfile,
@@ -207,11 +219,7 @@ def run_scenario(
     it, so the order can move a share: where two estimates err together (a stale price and the
     acceptance of the shape it keeps the policy on), the first replaced takes the gain both
     would have."""
-    if sorted(decompose_order) != sorted(DECOMPOSITION):
-        raise ValueError(
-            f"a decomposition order names each of {', '.join(DECOMPOSITION)} once, "
-            f"not {', '.join(decompose_order) or 'none'}"
-        )
+    order = decomposition_order(decompose_order)
     candidates = tuple(candidates)
     config = config.replace(candidate_shapes=candidates, record_steps=False)
     runs: dict[str, RunResult] = {}
@@ -239,7 +247,6 @@ def run_scenario(
     if decompose and "adatree" in runs:
         oracle = runs["per-step-oracle"].goodput_tok_s
         previous = runs["adatree"].goodput_tok_s
-        order = tuple(decompose_order)
         for i, cause in enumerate(order):
             variant = f"adatree+{'+'.join(order[: i + 1])}"
             run(variant, _variant(config, traces, order[: i + 1], profiled), sim)
