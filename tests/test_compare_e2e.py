@@ -82,13 +82,16 @@ def test_compare_serves_side_by_side_and_answers_match(tiny_models, tmp_path):
         assert s["identical"] == s["compared"] == 3 and s["errors"] == 0 and s["prompts"] == 3
         assert s["tpot_ratio"] > 0 and s["accept_len"] >= 1.0
     assert "TPOT / ar" in done.stdout and "adatree@3,1,4" in done.stdout
-    # SGLang's stage clock of every server over the prompts: the forward is the largest
-    # stage, and every stage was read as a cost per generated token.
+    # SGLang's stage clock of every server over the prompts: every stage but idle was read as
+    # a cost per generated token, largest first, the forward among them. Which stage is the
+    # largest is a matter of timing: with the tiny models, polling for requests can cost more
+    # per token than the forward.
     clocks = result["stage_clock_ms_per_token"]
     assert list(clocks) == names
     for ms in clocks.values():
-        assert next(iter(ms)) == "run_batch" and ms["run_batch"] > 0
+        assert ms["run_batch"] > 0
         assert "idle" not in ms and all(v >= 0 for v in ms.values())
+        assert list(ms.values()) == sorted(ms.values(), reverse=True)
     assert "stage clock, ms/token" in done.stdout
 
     # The pinned server read its pin from its own database and ran 3,1,4 on every step.
