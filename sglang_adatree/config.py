@@ -268,6 +268,14 @@ SETTINGS: tuple[Setting, ...] = (
         _bool,
     ),
     Setting(
+        "price_catch_up",
+        True,
+        "true / false",
+        "a decision to stop speculating for the draft's confidence in this step's token alone "
+        "is charged the catch-up step it puts before the next speculative step",
+        _bool,
+    ),
+    Setting(
         "residual_decay",
         0.05,
         "(0, 1]",
@@ -378,6 +386,7 @@ class AdaTreeConfig:
     request_prior_steps: float = DEFAULTS["request_prior_steps"]
     request_keep: float = DEFAULTS["request_keep"]
     draft_confidence: bool = DEFAULTS["draft_confidence"]
+    price_catch_up: bool = DEFAULTS["price_catch_up"]
     residual_decay: float = DEFAULTS["residual_decay"]
     step_time_profile: str | None = DEFAULTS["step_time_profile"]
     skip_idle_draft_extend: bool = DEFAULTS["skip_idle_draft_extend"]

@@ -63,6 +63,44 @@ def test_the_policy_speculates_where_the_draft_is_sure_and_declines_where_it_is_
     assert both == pytest.approx((sure + unsure) / 2)
 
 
+def test_a_dip_is_charged_the_catch_up_a_decline_puts_before_the_next_speculative_step():
+    # The chain gains 20%: a sure draft's steps accept, a middling one's 30%, an unsure one's
+    # none.
+    rng = np.random.default_rng(0)
+    qs = rng.choice([0.05, 0.55, 0.95], 600)
+    accepted = np.where(qs > 0.9, True, np.where(qs < 0.1, False, rng.random(600) < 0.3))
+
+    def speculating(**settings):
+        policy = chain_gaining(0.20, new_batch_steps=0, min_gain=0.0, **settings)
+        chain_steps(policy, qs, accepted)
+        assert policy.decide(batch(1), ["x"], [0.95]).shape == CHAIN
+        return policy
+
+    # Uncharged, the middling token alone stops speculation, and so does the unsure one.
+    off = speculating(price_catch_up=False)
+    assert off.decide(batch(1), ["x"], [0.55]).shape == NO_SPEC
+    off.current = CHAIN
+    assert off.decide(batch(1), ["x"], [0.05]).shape == NO_SPEC
+    # Charged the catch-up, the middling token's dip speculates; the unsure one's still
+    # declines.
+    policy = speculating()
+    times, emitted = policy.predictions(batch(1), ["x"], [0.55])
+    decision = policy.decide(batch(1), ["x"], [0.55])
+    assert (decision.shape, decision.source) == (CHAIN, "fallback")
+    assert decision.predicted_emitted == pytest.approx(emitted[1])
+    assert emitted[1] / times[1] < 1.0 / times[0]  # uncharged, declining would win
+    assert decision.runner_up == NO_SPEC
+    assert policy.decide(batch(1), ["x"], [0.05]).shape == NO_SPEC
+    # Declined, the catch-up is owed whatever the next step runs: nothing more is charged.
+    assert policy.decide(batch(1), ["x"], [0.55]).shape == NO_SPEC
+    # A request whose own steps accept nothing declines on its own: an unsure token is no dip.
+    policy.current = CHAIN
+    for _ in range(30):
+        stats = AcceptedPathStats(torch.tensor([[1]]), torch.tensor([[-1]]))
+        policy.observe(batch(1), CHAIN, 10.0, stats, ["bad"], [None])
+    assert policy.decide(batch(1), ["bad"], [0.55]).shape == NO_SPEC
+
+
 def test_each_requests_prediction_is_what_the_batch_mean_is_made_of():
     policy = chain_gaining(0.10, new_batch_steps=0, min_gain=0.0)
     rng = np.random.default_rng(1)

@@ -29,7 +29,12 @@ step time``. Each step, in order of precedence:
 4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``
-   (hysteresis: a decision does not flap on its estimates' noise).
+   (hysteresis: a decision does not flap on its estimates' noise). A decision to stop
+   speculating that rests on the draft's confidence in this step's token alone, where the
+   requests' own acceptance would speculate (a dip), is charged the catch-up step it puts
+   before the next speculative step (``price_catch_up``, ``_dip_shape``): served on a CPU,
+   each such decline was followed by a catch-up step, two steps without speculation where the
+   decision had priced one. A shallow dip then speculates, a deep one still declines.
 
    A new batch, one none of whose requests ran in the step before (at concurrency 1, every
    request), speculates for its first ``new_batch_steps`` steps unless speculating is predicted
@@ -226,6 +231,7 @@ class Policy:
         self._explore_phase = random.Random(config.explore_seed).random()
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         self.confidence = ConfidenceAcceptance()
+        self._speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
         # Per candidate: the most a step can emit, and whether it speculates.
         self._max_emitted = [s.steps + 1.0 for s in self.candidates]
         # [candidates, candidates]: whether the column's shape dominates the row's.
@@ -291,6 +297,15 @@ class Policy:
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
+        if (
+            self.config.price_catch_up
+            and not self.candidates[best].speculative
+            and current is not None
+            and self.candidates[current].speculative
+        ):
+            dip = self._dip_shape(request_ids, confidence, times, weights, score, best, current)
+            if dip is not None:
+                best = dip
         if new_batch and self.config.new_batch_probe and not self.candidates[best].speculative:
             probe = self._probe_shape(score, emitted, len(request_ids), probe_steps)
             if probe is not None:
@@ -300,6 +315,37 @@ class Policy:
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         return self._decision(self.current, source, times, emitted)
+
+    def _dip_shape(
+        self,
+        request_ids: Sequence[str],
+        confidence: Sequence[float | None] | None,
+        times: list[float],
+        weights: list[float],
+        score: list[float],
+        declined: int,
+        current: int,
+    ) -> int | None:
+        """The speculative candidate a dip runs, None where declining pays. A dip: the decision
+        to stop speculating (``declined``, from the speculative ``current``) rests on the
+        draft's confidence in this step's token alone, while the requests' own acceptance, the
+        confidence left out, would speculate. Declining then puts a catch-up step before the
+        next speculative step: one token for about a step without speculation's time, where
+        the speculation it delays would emit at its own rate. That step's time beyond its
+        token's worth at that rate is charged to the decline."""
+        if self._confidence_factors(request_ids, confidence) is None:
+            return None  # the decision did not read the confidence
+        emitted = self._batch_emitted(request_ids)  # the confidence left out
+        plain = [e * w / t for e, w, t in zip(emitted, weights, times, strict=True)]
+        resumed = plain.index(max(plain))
+        if plain[resumed] <= plain[current] * (1.0 + self.config.min_gain):
+            resumed = current
+        if not self.candidates[resumed].speculative:
+            return None
+        catch_up = max(times[declined] - times[resumed] / emitted[resumed], 0.0)
+        best = max(self._speculative, key=score.__getitem__)
+        charged = score[declined] * times[declined] / (times[declined] + catch_up)
+        return best if score[best] > charged else None
 
     def _probe_shape(
         self, score: list[float], emitted: list[float], batch: int, steps: int
