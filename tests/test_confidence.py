@@ -76,9 +76,12 @@ def test_a_dip_is_charged_the_catch_up_a_decline_puts_before_the_next_speculativ
         assert policy.decide(batch(1), ["x"], [0.95]).shape == CHAIN
         return policy
 
-    # Uncharged, the middling token alone stops speculation, and so does the unsure one.
+    # Uncharged, the middling token alone stops speculation, and so does the unsure one; a
+    # decline that runs the draft's extend itself is followed by no catch-up.
     off = speculating(price_catch_up=False)
     assert off.decide(batch(1), ["x"], [0.55]).shape == NO_SPEC
+    extends = speculating(skip_idle_draft_extend=False)
+    assert extends.decide(batch(1), ["x"], [0.55]).shape == NO_SPEC
     off.current = CHAIN
     assert off.decide(batch(1), ["x"], [0.05]).shape == NO_SPEC
     # Charged the catch-up, the middling token's dip speculates; the unsure one's still

@@ -32,9 +32,10 @@ step time``. Each step, in order of precedence:
    (hysteresis: a decision does not flap on its estimates' noise). A decision to stop
    speculating that rests on the draft's confidence in this step's token alone, where the
    requests' own acceptance would speculate (a dip), is charged the catch-up step it puts
-   before the next speculative step (``price_catch_up``, ``_dip_shape``): served on a CPU,
-   each such decline was followed by a catch-up step, two steps without speculation where the
-   decision had priced one. A shallow dip then speculates, a deep one still declines.
+   before the next speculative step (``price_catch_up``, ``_dip_shape``): the next token is
+   another, which the draft is likelier to be sure of, and resuming there runs a catch-up
+   step first, two steps without speculation where the decision priced one. A shallow dip
+   then speculates, a deep one still declines.
 
    A new batch, one none of whose requests ran in the step before (at concurrency 1, every
    request), speculates for its first ``new_batch_steps`` steps unless speculating is predicted
@@ -231,9 +232,9 @@ class Policy:
         self._explore_phase = random.Random(config.explore_seed).random()
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         self.confidence = ConfidenceAcceptance()
-        self._speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
-        # Per candidate: the most a step can emit, and whether it speculates.
+        # Per candidate: the most a step can emit; and the speculative candidates.
         self._max_emitted = [s.steps + 1.0 for s in self.candidates]
+        self._speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
         # [candidates, candidates]: whether the column's shape dominates the row's.
         self._dominated_by = np.array(
             [[a.dominates(b) for a in self.candidates] for b in self.candidates], dtype=bool
@@ -297,8 +298,10 @@ class Policy:
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
+        # A decline that runs the draft's extend itself puts no catch-up step after it.
         if (
             self.config.price_catch_up
+            and self.config.skip_idle_draft_extend
             and not self.candidates[best].speculative
             and current is not None
             and self.candidates[current].speculative
