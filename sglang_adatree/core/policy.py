@@ -298,7 +298,8 @@ class Policy:
         if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
             best = current
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
-        # A decline that runs the draft's extend itself puts no catch-up step after it.
+        # A dip's decline is charged its catch-up (``_dip_shape``) where it skips the draft's
+        # extend, and only when leaving speculation: once declined, the catch-up is owed.
         if (
             self.config.price_catch_up
             and self.config.skip_idle_draft_extend
