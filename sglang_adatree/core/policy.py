@@ -291,12 +291,10 @@ class Policy:
         # Goodput up to the batch size, which is common to all candidates.
         weights = self._probe if new_batch else self._margin
         score = [e * w / t for e, w, t in zip(emitted, weights, times, strict=True)]
-        best = score.index(max(score))  # the first of equals
         current = None
         if self.current is not None and (self.current.speculative or not new_batch):
             current = self._index.get(self.current)
-        if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
-            best = current
+        best = self._held(score, current)
         source = DecisionSource.FALLBACK if self.policy_version is None else DecisionSource.MODEL
         # A dip's decline is charged its catch-up (``_dip_shape``) where it skips the draft's
         # extend, and only when leaving speculation: once declined, the catch-up is owed.
@@ -320,6 +318,14 @@ class Policy:
         self.current = self.candidates[best]
         return self._decision(self.current, source, times, emitted)
 
+    def _held(self, score: list[float], current: int | None) -> int:
+        """The candidate with the best ``score`` ``[candidates]`` (the first of equals), or
+        ``current`` unless the best beats it by ``min_gain`` (the hysteresis)."""
+        best = score.index(max(score))
+        if current is not None and score[best] <= score[current] * (1.0 + self.config.min_gain):
+            return current
+        return best
+
     def _dip_shape(
         self,
         request_ids: Sequence[str],
@@ -341,9 +347,7 @@ class Policy:
             return None  # the decision did not read the confidence
         emitted = self._batch_emitted(request_ids)  # the confidence left out
         plain = [e * w / t for e, w, t in zip(emitted, weights, times, strict=True)]
-        resumed = plain.index(max(plain))
-        if plain[resumed] <= plain[current] * (1.0 + self.config.min_gain):
-            resumed = current
+        resumed = self._held(plain, current)
         if not self.candidates[resumed].speculative:
             return None
         catch_up = max(times[declined] - times[resumed] / emitted[resumed], 0.0)
@@ -370,10 +374,9 @@ class Policy:
         spread = self.requests.spread()
         if spread is None or spread.between <= 0.0 or steps <= 0:
             return None
-        speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
-        if not speculative:
+        if not self._speculative:
             return None
-        j = max(speculative, key=score.__getitem__)  # the first of equals
+        j = max(self._speculative, key=score.__getitem__)  # the first of equals
         plain = max(score[i] for i, s in enumerate(self.candidates) if not s.speculative)
         gain = score[j] / plain - 1.0  # < 0 here: predicted to lose
         between = spread.between / batch
