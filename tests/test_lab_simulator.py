@@ -99,6 +99,31 @@ def test_a_tilt_raises_each_shapes_ratio_to_no_speculation(tilt):
     assert tilted.prefill_ms(100) == level.prefill_ms(100)
 
 
+def test_a_cold_step_costs_a_shapes_first_step_once():
+    arrivals = Arrivals("closed", concurrency=1)
+    tree = TreeShape(2, 2, 4)
+    plain, cold = (
+        SimConfig(arrivals, num_requests=4, cold_step=f, shuffle=False) for f in (1.0, 1.5)
+    )
+    runs = {
+        (shape, c.cold_step): simulate(
+            TRACES, profile(), c, lambda m, t, s=shape: static_chooser(s), "x"
+        )
+        for shape in (NO_SPEC, tree)
+        for c in (plain, cold)
+    }
+    # No speculation pays nothing; the tree pays half of its first step once.
+    assert runs[(NO_SPEC, 1.5)] == runs[(NO_SPEC, 1.0)]
+    first = profile().step_ms(
+        StepFeatures.from_context_lens([TRACES.requests[0].prompt_len + 1]), tree
+    )
+    extra = runs[(tree, 1.5)].decode_s - runs[(tree, 1.0)].decode_s
+    assert extra * 1000.0 == pytest.approx(0.5 * first)
+    assert runs[(tree, 1.5)].steps == runs[(tree, 1.0)].steps
+    with pytest.raises(ValueError, match="cold_step"):
+        SimConfig(arrivals, num_requests=1, cold_step=0.0)
+
+
 def test_a_prefill_costs_a_step_without_speculation_per_64_prompt_tokens():
     from sglang_adatree.lab.simulator import _Machine
 

@@ -75,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the machine splits its time otherwise than the profile: each shape's step time over "
         "no speculation's is the profile's raised to exp(T) (e.g. 0.4: trees dearer)",
     )
+    parser.add_argument(
+        "--cold-step",
+        type=float,
+        default=None,
+        metavar="F",
+        help="a speculative shape's first step in a run costs F times its time, as a served "
+        "shape's first step pays one-off costs (e.g. 1.15; default 1: none)",
+    )
     parser.add_argument("--no-decompose", action="store_true", help="skip the loss split")
     parser.add_argument(
         "--decompose-order",
@@ -113,6 +121,8 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
             s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, seed=args.seed))
         if args.tilt is not None:
             s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, tilt=args.tilt))
+        if args.cold_step is not None:
+            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, cold_step=args.cold_step))
         out.append(s)
     return out
 

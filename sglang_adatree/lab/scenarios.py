@@ -98,9 +98,10 @@ class Scenario:
 
     def describe(self) -> str:
         tilt = f", tilt {self.sim.tilt:g}" if self.sim.tilt else ""
+        cold = f", cold steps x{self.sim.cold_step:g}" if self.sim.cold_step != 1.0 else ""
         return (
             f"{self.traces} on {self.profile}, {self.sim.arrivals.describe()}, "
-            f"{self.sim.num_requests} requests{tilt}"
+            f"{self.sim.num_requests} requests{tilt}{cold}"
         )
 
 

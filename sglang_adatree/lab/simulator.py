@@ -12,6 +12,11 @@ CPU's slow and fast steps come in runs); both are seeded, so a run is a pure fun
 inputs. A prefill of ``P`` prompt tokens costs ``1 + P / PREFILL_TOKENS_PER_STEP`` steps
 without speculation at that context (``_Machine.prefill_ms``).
 
+``cold_step`` makes a speculative shape's first step in the run cost that many times its time,
+as a served shape's first step can pay one-off costs (its tensors' sizes are new to the
+forward's kernels and allocator: ``docs/notes/2026-12-07-cold-steps.md``); every policy pays
+it, the references included, and learns from that step as from any other.
+
 ``tilt`` makes the serving machine split its time between shapes otherwise than the profile
 does: each step's time over the step without speculation at the same batch is the profile's
 ratio raised to ``exp(tilt)`` (a positive tilt makes every tree dearer against no speculation, a
@@ -126,6 +131,9 @@ class SimConfig:
     # Each step's time over no speculation's is the profile's raised to exp(tilt) (module
     # docstring); 0: the profile's ratios.
     tilt: float = 0.0
+    # A speculative shape's first step in the run (a cold step: its tensors' sizes are new to
+    # the forward's kernels and allocator) costs this many times its time; 1: no one-off costs.
+    cold_step: float = 1.0
     seed: int = 0
     shuffle: bool = True  # draw requests in a seeded shuffle; False keeps the set's order
     # Requests served one at a time before the measured ones, unmeasured: the loop's state
@@ -139,6 +147,8 @@ class SimConfig:
             raise ValueError(f"batch limit >= 1, noise and drift >= 0: {self}")
         if not 0.0 <= self.noise_keep < 1.0:
             raise ValueError(f"noise_keep must be in [0, 1): {self}")
+        if not self.cold_step > 0.0:
+            raise ValueError(f"cold_step must be > 0: {self}")
 
 
 @dataclass(frozen=True)
@@ -660,6 +670,7 @@ def simulate(
     ]
     serial = [0]
     padding = _padding(profile)
+    begun: set[TreeShape] = set()  # the speculative shapes run so far: the rest are cold
 
     def serve(requests: list[RequestTrace], arrivals: _ArrivalSchedule, tally: _Tally) -> None:
         pending = collections.deque(requests)
@@ -707,6 +718,9 @@ def simulate(
             true_ms = (
                 machine.catch_up_ms(features) if catch_up else machine.true_ms(features, shape)
             )
+            if shape.speculative and shape not in begun:
+                begun.add(shape)
+                true_ms *= cfg.cold_step
             measured_ms = machine.measured(true_ms)
             now[0] += measured_ms / 1000.0
             if shape.speculative:
