@@ -232,9 +232,10 @@ class Policy:
         self._explore_phase = random.Random(config.explore_seed).random()
         self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
         self.confidence = ConfidenceAcceptance()
-        # Per candidate: the most a step can emit; and the speculative candidates.
+        # Per candidate: the most a step can emit; the speculative candidates, and the others.
         self._max_emitted = [s.steps + 1.0 for s in self.candidates]
         self._speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
+        self._plain = [i for i, s in enumerate(self.candidates) if not s.speculative]
         # [candidates, candidates]: whether the column's shape dominates the row's.
         self._dominated_by = np.array(
             [[a.dominates(b) for a in self.candidates] for b in self.candidates], dtype=bool
@@ -377,7 +378,7 @@ class Policy:
         if not self._speculative:
             return None
         j = max(self._speculative, key=score.__getitem__)  # the first of equals
-        plain = max(score[i] for i, s in enumerate(self.candidates) if not s.speculative)
+        plain = max(score[i] for i in self._plain)
         gain = score[j] / plain - 1.0  # < 0 here: predicted to lose
         between = spread.between / batch
         resolved = between / math.sqrt(between + spread.within / (batch * steps))
