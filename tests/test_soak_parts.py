@@ -115,10 +115,15 @@ def test_heal_undoes_a_fault_left_half_done(private_db):
     path.unlink()  # and nothing is still immutable
 
 
-def _row(t: float, shape: str, source: str) -> SimpleNamespace:
+def _row(t: float, shape: str, source: str, runner_up: str | None = None) -> SimpleNamespace:
     steps, topk, ndt = (int(x) for x in shape.split(","))
     return SimpleNamespace(
-        wall_time=t, steps=steps, topk=topk, num_draft_tokens=ndt, decision_source=source
+        wall_time=t,
+        steps=steps,
+        topk=topk,
+        num_draft_tokens=ndt,
+        decision_source=source,
+        runner_up=runner_up,
     )
 
 
@@ -134,6 +139,24 @@ def test_a_pin_is_obeyed_within_a_poll_and_two_steps():
     out = report._pin_outcome(pin, rows, poll_s=1.0)
     assert out["obeyed"] and out["late_steps"] == 1
     assert out["first_pinned_step_after_s"] == 2.0
+
+
+def test_a_pin_whose_window_closes_after_its_catch_up_is_obeyed():
+    # The operator's next change came between the catch-up the pin needed first and the pinned
+    # step after it (a soak's server paused there for 6 s): the catch-up stood in for the pin.
+    pin = PinAction("3,1,4", posted_s=10.0, status=201, pin_id=1, created_at=1000.0)
+    rows = [
+        _row(1000.2, "0,1,1", "model"),  # before the poll could have read it
+        _row(1000.6, "0,1,1", "catch-up", runner_up="3,1,4"),
+    ]
+    out = report._pin_outcome(pin, rows, poll_s=1.0)
+    assert out["obeyed"] and out["late_steps"] == 0 and out["steps_not_obeying"] == 0
+    assert out["first_pinned_step_after_s"] == 0.6
+    # A catch-up for another shape is not this pin's, nor one followed by steps of another.
+    other = [*rows[:1], _row(1000.6, "0,1,1", "catch-up", runner_up="2,2,4")]
+    assert not report._pin_outcome(pin, other, poll_s=1.0)["obeyed"]
+    ignored = [*rows, _row(1002.0, "2,2,4", "model")]
+    assert not report._pin_outcome(pin, ignored, poll_s=1.0)["obeyed"]
 
 
 def test_a_pin_ignored_for_steps_or_broken_later_is_not_obeyed():

@@ -15,7 +15,9 @@ little scheduling slack) and before the first step decided by the pin, at most
 over, and the one launched before it under overlap scheduling; catch-up steps the pinned shape
 needs first do not count); and every step after that first one, until the operator's next
 change, was the pin's. Counting steps rather than seconds keeps the rule what it says on a
-slow or idle server: an idle server obeys at its next step, whenever that comes.
+slow or idle server: an idle server obeys at its next step, whenever that comes. Where the
+operator's next change comes between the catch-up the pin needs first and the pinned step it
+stands in for (the catch-up's runner-up), that catch-up is the pin's first step.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def pin_outcomes(db_url: str, run_id: int, pins: list[PinAction], poll_s: float)
                     Step.topk,
                     Step.num_draft_tokens,
                     Step.decision_source,
+                    Step.runner_up,
                 )
                 .where(Step.run_id == run_id, Step.wall_time >= pin.created_at)
                 .order_by(Step.wall_time)
@@ -214,6 +217,12 @@ def _pin_outcome(pin: PinAction, rows: list, poll_s: float) -> dict[str, Any]:
 
     after = [r for r in rows if r.wall_time >= pin.created_at]
     first = next((r for r in after if r.decision_source == "pin" and own(r)), None)
+    if first is None and after:
+        # The window closed after the catch-up the pin needs first, before the pinned step the
+        # catch-up stood in for (its runner-up) ran: that catch-up is the pin taking effect.
+        last = after[-1]
+        if last.decision_source == "catch-up" and last.runner_up == pin.shape:
+            first = last
     readable = pin.created_at + poll_s + POLL_SLACK_S
     late = violations = 0
     if first is not None:
