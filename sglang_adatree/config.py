@@ -268,6 +268,15 @@ SETTINGS: tuple[Setting, ...] = (
         _bool,
     ),
     Setting(
+        "draft_first_layer",
+        True,
+        "true / false",
+        "price each request under each shape with the first depth's hazards set from the "
+        "draft's top-k at its next token (its first layer), where the engine hands it over "
+        "and draft_confidence is on (core.confidence)",
+        _bool,
+    ),
+    Setting(
         "price_catch_up",
         True,
         "true / false",
@@ -386,6 +395,7 @@ class AdaTreeConfig:
     request_prior_steps: float = DEFAULTS["request_prior_steps"]
     request_keep: float = DEFAULTS["request_keep"]
     draft_confidence: bool = DEFAULTS["draft_confidence"]
+    draft_first_layer: bool = DEFAULTS["draft_first_layer"]
     price_catch_up: bool = DEFAULTS["price_catch_up"]
     residual_decay: float = DEFAULTS["residual_decay"]
     step_time_profile: str | None = DEFAULTS["step_time_profile"]

@@ -175,6 +175,34 @@ def test_expected_emitted_matches_the_eagle2_reference():
     )
 
 
+def test_a_first_layer_token_is_worth_the_kept_nodes_below_it():
+    # The worked example's estimator: p = (0.6, 0.12) at every depth.
+    est = AcceptanceEstimator(prior=0.6)
+    shapes = (NO_SPEC, TreeShape(1, 1, 2), TreeShape(3, 1, 4), TreeShape(2, 2, 3),
+              TreeShape(2, 2, 4), TreeShape(2, 2, 7))  # fmt: skip
+    w = est.first_layer_weights(shapes)  # [ranks, shapes]
+    assert w.shape == (2, len(shapes))
+    np.testing.assert_allclose(w[:, 0], [0, 0])  # no speculation keeps no node
+    np.testing.assert_allclose(w[:, 1], [1, 0])  # the chain: its one node
+    np.testing.assert_allclose(w[:, 2], [1 + 0.6 + 0.36, 0])
+    # 2,2,3 keeps 0.6 and 0.36 below it; 2,2,4 adds the second first-layer token; 2,2,7 all.
+    np.testing.assert_allclose(w[:, 3], [1 + 0.6, 0])
+    np.testing.assert_allclose(w[:, 4], [1 + 0.6, 1])
+    np.testing.assert_allclose(w[:, 5], [1 + 0.6 + 0.12, 1 + 0.6 + 0.12])
+    assert est.first_layer_weights(shapes) is w  # kept until the next refresh
+    est.refresh()
+    assert est.first_layer_weights(shapes) is not w
+
+
+def test_first_layer_weights_at_the_estimators_own_first_depth_give_its_estimates():
+    est = AcceptanceEstimator(prior=0.5, decay=0.05)
+    run_synthetic(est, TreeShape(4, 3, 12), TRUE_HAZARDS, steps=50, batch=32, seed=2)
+    shapes = (*DEFAULT_CANDIDATES, TreeShape(4, 3, 9), TreeShape(2, 3, 5))
+    w = est.first_layer_weights(shapes)  # [ranks, shapes]
+    p0 = est.positional_acceptance()[0, : w.shape[0]]
+    np.testing.assert_allclose(1.0 + p0 @ w, [est.model_emitted(s) for s in shapes])
+
+
 def test_more_tokens_never_emit_less():
     est = AcceptanceEstimator(prior=0.7)
     for steps, topk in itertools.product(range(1, 6), range(2, 5)):

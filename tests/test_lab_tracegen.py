@@ -260,10 +260,10 @@ def _eagle_rollouts(draft: Path, target_pass, seq: list[int], steps: int):
                        torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))  # fmt: skip
             logits = out[s, 0] @ lm_head.T  # [n, hot]
             if s == 0:
-                top1 = torch.softmax(logits, -1).max(-1).values
+                ranked = torch.softmax(logits, -1).sort(-1, descending=True).values  # [n, hot]
             guesses.append(hot[logits.argmax(-1)])
             step_tokens.append(guesses[-1])
-    return torch.stack(guesses, dim=1), top1  # [n, steps], [n]
+    return torch.stack(guesses, dim=1), ranked  # [n, steps], [n, hot]
 
 
 def test_chain_emits_one_plus_the_greedy_rollouts_agreement(traced, target_pass):
@@ -272,7 +272,7 @@ def test_chain_emits_one_plus_the_greedy_rollouts_agreement(traced, target_pass)
     for prompt, answer, trace in per_request:
         seq, p_len, a_len = [*prompt, *answer], len(prompt), len(answer)
         if kind == "eagle":
-            guesses, top1 = _eagle_rollouts(draft, target_pass, seq, depth)
+            guesses, ranked = _eagle_rollouts(draft, target_pass, seq, depth)
         # A generate() call per position: every third one keeps the standalone's case short.
         for p in range(1, a_len, 1 if kind == "eagle" else 3):
             root = p_len + p - 2  # draft position reading the step's root token
@@ -289,7 +289,10 @@ def test_chain_emits_one_plus_the_greedy_rollouts_agreement(traced, target_pass)
                     assert trace.emitted[p, j] == want, (kind, p, shape, rollout)
             if kind == "eagle":
                 j = SHAPES.index(TreeShape(1, 1, 2))
-                assert trace.draft_expected[p, j] == pytest.approx(float(top1[root]), 1e-4)
+                assert trace.draft_expected[p, j] == pytest.approx(float(ranked[root, 0]), 1e-4)
+                # The first layer: the draft's top-k there, as wide as the widest shape's.
+                width = max(s.topk for s in SHAPES)
+                np.testing.assert_allclose(trace.first_layer[p], ranked[root, :width], rtol=1e-4)
 
 
 def test_answers_end_at_the_first_end_of_sequence_token(tmp_path):
@@ -321,7 +324,7 @@ def _same(a, b) -> None:
     assert a.kind == "exact" and a.pair == "draft / target"
     for x, y in zip(a.requests, b.requests, strict=True):
         assert (x.request_id, x.prompt_len) == (y.request_id, y.prompt_len)
-        for field in ("emitted", "num_children", "accepted_rank", "draft_expected"):
+        for field in ("emitted", "num_children", "accepted_rank", "draft_expected", "first_layer"):
             np.testing.assert_array_equal(getattr(x, field), getattr(y, field))
 
 

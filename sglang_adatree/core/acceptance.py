@@ -203,6 +203,7 @@ class AcceptanceEstimator:
         self._layers: dict[int, list[np.ndarray]] = {}
         self._positional: np.ndarray | None = None
         self._many: tuple[Sequence[TreeShape], np.ndarray] | None = None
+        self._first_weights: tuple[Sequence[TreeShape], np.ndarray] | None = None
         # The confidence as of the last refresh: what a step's miss against the model of that
         # refresh is weighed by (``observe``).
         self._refreshed_confidence = 0.0
@@ -319,6 +320,7 @@ class AcceptanceEstimator:
         self._layers = {}
         self._positional = None
         self._many = None
+        self._first_weights = None
         for shape in wanted:
             self.expected_emitted(shape)
         if many is not None:
@@ -428,6 +430,41 @@ class AcceptanceEstimator:
         self._many = (shapes, values)
         return values
 
+    def first_layer_weights(self, shapes: Sequence[TreeShape]) -> np.ndarray:
+        """``[ranks, len(shapes)]`` what each first-layer token is worth to each shape: the
+        sum, over the nodes the shape's tree keeps that descend from the rank-``r`` child of
+        the root, of their values below it (the product of the positional acceptance along the
+        path after the first depth). ``ranks`` is the widest ``topk`` of ``shapes``.
+
+        A shape's expected accepted tokens are ``sum_r p[0, r] * W[r]``, so a request whose
+        draft states the first layer's probabilities ``q`` (``core.confidence``) expects
+        ``1 + q @ W[:, shape]`` emitted tokens before the shape's correction factor: the tree
+        the estimates keep, each branch weighed by the draft's own chance of its first token.
+        Kept until the next refresh for the last ``shapes`` asked for."""
+        kept = self._first_weights
+        if kept is not None and kept[0] is shapes:
+            return kept[1]
+        p = self._positional
+        if p is None:
+            p = self._positional = self.positional_acceptance()  # [MAX_STEPS, MAX_TOPK]
+        ranks = max((s.topk for s in shapes if s.speculative), default=1)
+        out = np.zeros((ranks, len(shapes)))
+        grown: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = {}
+        for j, shape in enumerate(shapes):
+            if not shape.speculative:
+                continue
+            k = shape.topk
+            values, below, first = grown.setdefault(k, ([], [], []))
+            _grow_by_branch(p, values, below, first, k, shape.steps)
+            v = np.concatenate(values[: shape.steps])  # [nodes]
+            order = np.argsort(-v, kind="stable")[: shape.num_draft_tokens - 1]
+            b = np.concatenate(below[: shape.steps])[order]  # [kept nodes]
+            r = np.concatenate(first[: shape.steps])[order]  # [kept nodes]
+            out[:k, j] = np.bincount(r, weights=b, minlength=k)
+        out.flags.writeable = False
+        self._first_weights = (shapes, out)
+        return out
+
     def _tree_layers(self, topk: int, steps: int) -> list[np.ndarray]:
         """Candidate node values per layer for ``topk``, at least ``steps`` layers deep.
 
@@ -445,6 +482,28 @@ class AcceptanceEstimator:
             layers.append(children)
             frontier = np.sort(children)[::-1][:topk]
         return layers
+
+
+def _grow_by_branch(
+    p: np.ndarray,
+    values: list[np.ndarray],
+    below: list[np.ndarray],
+    first: list[np.ndarray],
+    topk: int,
+    steps: int,
+) -> None:
+    """The candidate node values per layer for ``topk`` (as ``_tree_layers``), each node also
+    with its value below the first depth and the rank of the first-layer node it descends
+    from: the three lists extended in place to ``steps`` layers."""
+    if not values:
+        values.append(p[0, :topk].copy())
+        below.append(np.ones(topk))
+        first.append(np.arange(topk))
+    for depth in range(len(values), steps):
+        top = np.argsort(-values[-1], kind="stable")[:topk]  # the frontier
+        values.append(np.outer(values[-1][top], p[depth, :topk]).ravel())
+        below.append(np.outer(below[-1][top], p[depth, :topk]).ravel())
+        first.append(np.repeat(first[-1][top], topk))
 
 
 SPREAD_KEEP = 0.95  # the weight a departed request keeps per later departure

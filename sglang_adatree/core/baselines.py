@@ -34,6 +34,7 @@ import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
+from sglang_adatree.core.confidence import FirstLayer
 from sglang_adatree.core.cost_model import CostModel
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.policy import Decision, DecisionSource, Pin, price_split
@@ -172,7 +173,7 @@ class TurboSpecPolicy(_ChainBaseline):
         self,
         features: StepFeatures,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> Decision:
         """Pin, else the chain chosen at the last refresh (every 20 steps). TurboSpec keeps one
         acceptance rate for every request and step: the draft's confidence is not read."""
@@ -195,7 +196,7 @@ class TurboSpecPolicy(_ChainBaseline):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> None:
         """Step time to the cost model; accepted / drafted into the global EMA (one rate for
         every request, as TurboSpec keeps)."""
@@ -303,7 +304,7 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         self,
         features: StepFeatures,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> Decision:
         """Pin, else the chain the batch size's slot currently runs (SGLang's adaptive mode
         does not read the draft's confidence)."""
@@ -326,7 +327,7 @@ class SGLangAdaptivePolicy(_ChainBaseline):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> None:
         """Accepted drafts per request into the batch size's slot; step time to the cost model
         (kept so that telemetry's predicted step times stay comparable across policies)."""

@@ -9,14 +9,27 @@ where the per-request factor (``acceptance.RequestAcceptance``) follows only a r
 level. Where a speculative step costs well over a plain decode, declining the steps the draft
 is unsure of and drafting deeper where it is sure is worth more than any one shape.
 
+The engine hands over the whole relayed top-k, the **draft's first layer**: per request a
+``FirstLayer``, its probabilities in descending order, the first of them the confidence. A chain
+drafts only the top-1 token at the first depth, a tree also the tokens ranked after it, and
+their chances fall with the top-1's: where the draft is unsure of its best guess, a tree's
+second-ranked tokens carry it and a chain has nothing else; where it is sure, a chain's deep
+tokens follow. The policy prices each request under each shape by the tree the estimates keep
+(the positional model, ``core.acceptance``), each first-layer branch weighed by the draft's
+own probability of its first token (``AcceptanceEstimator.first_layer_weights``), so one
+number per step does not have to stand for every shape
+(``docs/notes/2026-12-07-what-the-grid-can-give.md``).
+
 ``ConfidenceAcceptance`` keeps a factor on the expected accepted draft tokens for each bin of
-that probability (``BIN_EDGES``), learnt from the speculative steps whose confidence was
-known: the ratio of the draft tokens a request accepted to those expected of it (the
-estimator's, times its request's factor), each bin shrunk towards 1 by ``PRIOR_STEPS``
-pseudo-steps and its older evidence kept ``KEEP`` per observation so that it follows a change
-of workload. A request's expectation for the step is ``1 + f_r * c(q_r) * (E(shape) - 1)``;
-a request whose confidence is unknown (its draft behind after a step without speculation) has
-``c = 1``.
+the confidence (``BIN_EDGES``), learnt from the speculative steps whose confidence was known:
+the ratio of the draft tokens a request accepted to those expected of it (its expectation
+under the shape before this factor, times its request's factor), each bin shrunk towards 1 by
+``PRIOR_STEPS`` pseudo-steps and its older evidence kept ``KEEP`` per observation so that it
+follows a change of workload. It takes up how far the draft's probabilities are off as a
+whole, as where the draft is very unsure and its second choice fails as well. A request's
+expectation for the step is ``1 + f_r * c(q_r) * (E_r(shape) - 1)``, ``E_r`` the shape's
+estimate under the request's first layer; a request whose draft is behind (after a step without
+speculation) has no first layer, ``E_r = E`` and ``c = 1``.
 """
 
 from __future__ import annotations
@@ -24,12 +37,21 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+# The draft's first-layer probabilities for one request: its top-k at the next token, in
+# descending order; the first is its confidence.
+FirstLayer = tuple[float, ...]
+
 # Upper edges of the bins of the draft's top-1 probability: tenths.
 BIN_EDGES: tuple[float, ...] = tuple(i / 10 for i in range(1, 10))
 # Pseudo-steps at factor 1 in each bin: a bin's first few steps move it little.
 PRIOR_STEPS = 8.0
 # Each observation in a bin keeps its older evidence at this weight (about 500 steps' memory).
 KEEP = 0.998
+
+
+def confidence_of(first_layer: FirstLayer | None) -> float | None:
+    """The draft's confidence: the top-1 of ``first_layer`` (None where unknown)."""
+    return None if first_layer is None else first_layer[0]
 
 
 class ConfidenceAcceptance:

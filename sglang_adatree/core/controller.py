@@ -49,6 +49,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats, accepted_counts
+from sglang_adatree.core.confidence import FirstLayer
 from sglang_adatree.core.cost_model import OnlineCostModel, StepTimeModel, starting_cost_model
 from sglang_adatree.core.features import NO_GRAPHS, GraphPadding, StepFeatures
 from sglang_adatree.core.policy import (
@@ -75,20 +76,21 @@ class BatchView:
 
     request_ids: tuple[str, ...]  # [batch]
     context_lens: tuple[int, ...]  # [batch] prompt + output tokens so far
-    # [batch] the draft's probability of the first token it will propose for each request (its
-    # top-1 at depth 1, from the draft's extend before this step); None: not handed over. A
+    # [batch] the draft's first layer for each request (``core.confidence.FirstLayer``): the
+    # probabilities of the top-k tokens it will propose first, in descending order, from the
+    # draft's extend before this step; the first is its confidence. None: not handed over. A
     # request whose draft is behind has none, whatever the engine holds for it.
-    draft_confidence: tuple[float, ...] | None = None
+    draft_confidence: tuple[FirstLayer, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.context_lens) or not self.request_ids:
             raise ValueError(
                 f"a batch needs one context length per request and at least one request: {self}"
             )
-        if self.draft_confidence is not None and len(self.draft_confidence) != len(
-            self.request_ids
+        if self.draft_confidence is not None and (
+            len(self.draft_confidence) != len(self.request_ids) or not all(self.draft_confidence)
         ):
-            raise ValueError(f"a batch needs one draft confidence per request: {self}")
+            raise ValueError(f"a batch needs one draft's first layer per request: {self}")
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ class StepTicket:
     features: StepFeatures
     request_ids: tuple[str, ...]  # [batch]
     skips_draft_extend: bool
-    # [batch] the draft confidence the decision read (None where unknown); None: none known.
-    confidence: tuple[float | None, ...] | None = None
+    # [batch] the draft's first layers the decision read (None where unknown); None: none known.
+    confidence: tuple[FirstLayer | None, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -198,7 +200,7 @@ class DecisionRule(Protocol):
         self,
         features: StepFeatures,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> Decision: ...
 
     def observe(
@@ -208,7 +210,7 @@ class DecisionRule(Protocol):
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> None: ...
 
     def set_pins(self, pins: Sequence[Pin]) -> None: ...
@@ -493,7 +495,9 @@ class StepController:
         return None if split is None else dataclasses.asdict(split)
 
     # -- internals --------------------------------------------------------------------------
-    def _decides_again(self, held: Decision, confidence: tuple[float | None, ...] | None) -> bool:
+    def _decides_again(
+        self, held: Decision, confidence: tuple[FirstLayer | None, ...] | None
+    ) -> bool:
         """Whether a decision held behind a catch-up gives way to a new one: the catch-up has
         made the drafts' confidence known, and a policy that reads it would decide the step
         otherwise if the draft is unsure of it. Only a decision of the goodput rule: a pin, the
@@ -504,8 +508,8 @@ class StepController:
             and held.source in (DecisionSource.FALLBACK, DecisionSource.MODEL)
         )
 
-    def _confidence(self, view: BatchView) -> tuple[float | None, ...] | None:
-        """``[batch]`` the draft confidence of ``view``'s requests as a decision may read it:
+    def _confidence(self, view: BatchView) -> tuple[FirstLayer | None, ...] | None:
+        """``[batch]`` the drafts' first layers of ``view``'s requests as a decision may read them:
         None for a request whose draft is behind (the engine holds a placeholder for it)."""
         given = view.draft_confidence
         if given is None:

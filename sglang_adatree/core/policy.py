@@ -68,9 +68,12 @@ step time``. Each step, in order of precedence:
 Every step, whatever its source, reads each shape's expected emitted tokens capped at those of
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
 that holds it. A batch's expectation scales them by its requests' own acceptance factors
-(``RequestAcceptance``) and, for requests whose draft's confidence in its next token is known,
-by that confidence's factor (``core.confidence``): then each request's expectation is capped at
-what the shape can emit before the batch's mean is taken.
+(``RequestAcceptance``). For requests whose draft's first layer (its top-k probabilities at
+the next token) is known, each shape's tree is priced with each first-layer branch weighed by
+the draft's own chance of its first token (``_rows``: a tree's second-ranked tokens carry a
+step the draft is unsure of, a chain's do not) and scaled by the factor of the draft's
+confidence (``core.confidence``): then each request's expectation is capped at what the shape
+can emit before the batch's mean is taken.
 
 The step controller adds one source of its own, ``CATCH_UP`` (``controller.StepController``): a
 step without speculation that brings the draft up to date before a speculative decision runs.
@@ -99,7 +102,7 @@ from sglang_adatree.core.acceptance import (
     RequestAcceptance,
     host_lists,
 )
-from sglang_adatree.core.confidence import ConfidenceAcceptance
+from sglang_adatree.core.confidence import ConfidenceAcceptance, FirstLayer, confidence_of
 from sglang_adatree.core.cost_model import CostModel, PriceSplit
 from sglang_adatree.core.features import StepFeatures
 from sglang_adatree.core.shapes import TreeShape
@@ -243,6 +246,9 @@ class Policy:
         self._ordered: tuple[np.ndarray, list[float]] | None = None  # (estimates, ordered)
         self._last_batch: frozenset[str] = frozenset()  # the requests of the step before
         self._new_batch_left = 0  # steps still decided as a new batch's (``new_batch_steps``)
+        # (estimator revision, [candidates] the shapes' correction factors): ``_corrections``.
+        self._kept_corrections: tuple[int, np.ndarray] = (-1, np.ones(len(self.candidates)))
+        self._max_emitted_array = np.array(self._max_emitted)  # [candidates]
 
     @property
     def reads_confidence(self) -> bool:
@@ -266,11 +272,12 @@ class Policy:
         self,
         features: StepFeatures,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> Decision:
         """The shape for this step over the requests ``request_ids`` (their acceptance so far
-        scales the estimate; none given: the estimator's alone), whose drafts' confidence in
-        their next token is ``confidence`` ``[batch]`` (None where unknown)."""
+        scales the estimate; none given: the estimator's alone), whose drafts' first layers
+        (their top-k probabilities at the next token, ``core.confidence``) are ``confidence``
+        ``[batch]`` (None where unknown)."""
         step = self.step
         self.step += 1
         # Without request ids a batch cannot be told new: it is decided as a continuing one.
@@ -330,7 +337,7 @@ class Policy:
     def _dip_shape(
         self,
         request_ids: Sequence[str],
-        confidence: Sequence[float | None] | None,
+        confidence: Sequence[FirstLayer | None] | None,
         times: list[float],
         weights: list[float],
         score: list[float],
@@ -396,7 +403,7 @@ class Policy:
         self,
         features: StepFeatures,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """What ``decide`` reads for this batch: ``[candidates]`` predicted step times (ms) and
         ``[candidates]`` expected emitted tokens per request, in candidate order."""
@@ -407,14 +414,14 @@ class Policy:
         self,
         features: StepFeatures,
         request_ids: Sequence[str],
-        confidence: Sequence[float | None] | None,
+        confidence: Sequence[FirstLayer | None] | None,
     ) -> tuple[list[float], list[float]]:
         """``predictions`` as lists, as ``decide`` reads them."""
         times = self.cost_model.predict_ms_list(features, self.candidates)
         return times, self._batch_emitted(request_ids, confidence)
 
     def _confidence_factors(
-        self, request_ids: Sequence[str], confidence: Sequence[float | None] | None
+        self, request_ids: Sequence[str], confidence: Sequence[FirstLayer | None] | None
     ) -> list[float] | None:
         """``[batch]`` the confidence factors of the batch's requests; None when none is known
         or the policy does not read them (``draft_confidence``)."""
@@ -424,7 +431,7 @@ class Policy:
             raise ValueError(f"{len(confidence)} confidences for {len(request_ids)} requests")
         if all(q is None for q in confidence):
             return None
-        return self.confidence.factors(confidence)
+        return self.confidence.factors([confidence_of(q) for q in confidence])
 
     def observe(
         self,
@@ -433,10 +440,10 @@ class Policy:
         measured_ms: float,
         stats: AcceptedPathStats | None = None,
         request_ids: Sequence[str] = (),
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
     ) -> None:
         """Feed back one verified step: its measured time and, if it speculated, its paths (one
-        row per request of ``request_ids``, whose drafts' confidence was ``confidence``)."""
+        row per request of ``request_ids``, whose drafts' first layers were ``confidence``)."""
         self.cost_model.observe(features, shape, measured_ms)
         if stats is not None and shape.speculative:
             # The requests' level before this step, their confidence included: the shape is
@@ -450,15 +457,27 @@ class Policy:
             if request_ids:
                 ranks = host_lists(stats.accepted_rank)  # [batch][steps]
                 accepted = [sum(rank >= 0 for rank in row) for row in ranks]  # [batch]
-                expected = self.acceptance.expected_emitted(shape) - 1.0
                 if scaled is None:
+                    expected = self.acceptance.expected_emitted(shape) - 1.0
                     self.requests.observe(request_ids, accepted, expected)
                 else:
-                    # Each of the two factors is learnt against the other: a request's level
-                    # net of its steps' confidence, a bin's net of its requests' levels.
-                    self.requests.observe(request_ids, accepted, [expected * c for c in scaled])
                     assert confidence is not None
-                    self.confidence.observe(confidence, accepted, [expected * f for f in levels])
+                    # Each request's expectation under its draft's first layer; each of the two
+                    # factors is learnt against the other: a request's level net of its steps'
+                    # confidence, a bin's net of its requests' levels.
+                    j = self._index[shape]
+                    emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
+                    each_expected = [row[j] - 1.0 for row in self._rows(confidence, emitted)]
+                    self.requests.observe(
+                        request_ids,
+                        accepted,
+                        [x * c for x, c in zip(each_expected, scaled, strict=True)],
+                    )
+                    self.confidence.observe(
+                        [confidence_of(q) for q in confidence],
+                        accepted,
+                        [x * f for x, f in zip(each_expected, levels, strict=True)],
+                    )
             self.acceptance.observe(shape, stats.num_children, stats.accepted_rank, factor)
         elif request_ids:
             self.requests.age(request_ids)
@@ -467,20 +486,26 @@ class Policy:
             self.measured[i] += 1
 
     def _batch_emitted(
-        self, request_ids: Sequence[str], confidence: Sequence[float | None] | None = None
+        self, request_ids: Sequence[str], confidence: Sequence[FirstLayer | None] | None = None
     ) -> list[float]:
         """``[candidates]`` expected emitted tokens per request of this batch."""
         emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
         scaled = self._confidence_factors(request_ids, confidence)
         if scaled is not None:
-            # Each request's own expectation, capped at what a step of the shape can emit
-            # before the mean: a sure draft's factor would otherwise lend an unsure one's
-            # request tokens past its cap.
+            assert confidence is not None
+            # Each request's own expectation under its draft's first layer, capped at what a
+            # step of the shape can emit before the mean: a sure draft's factor would otherwise
+            # lend an unsure one's request tokens past its cap.
             levels = [f * c for f, c in zip(self._levels(request_ids), scaled, strict=True)]
+            rows = self._rows(confidence, emitted)  # [batch][candidates]
             n = len(levels)
             return [
-                sum(min(max(1.0 + g * (e - 1.0), 1.0), most) for g in levels) / n
-                for e, most in zip(emitted, self._max_emitted, strict=True)
+                sum(
+                    min(max(1.0 + g * (row[j] - 1.0), 1.0), most)
+                    for g, row in zip(levels, rows, strict=True)
+                )
+                / n
+                for j, most in enumerate(self._max_emitted)
             ]
         factor = self.requests.batch_factor(request_ids)
         if factor == 1.0:
@@ -493,14 +518,15 @@ class Policy:
     def request_emitted(
         self,
         request_ids: Sequence[str],
-        confidence: Sequence[float | None] | None = None,
+        confidence: Sequence[FirstLayer | None] | None = None,
         *,
         per_request: bool = True,
     ) -> np.ndarray:
         """``[batch, candidates]`` each request's expected emitted tokens under each candidate:
-        ``1 + f_r * c(q_r) * (E - 1)`` capped at what a step of the shape can emit, the
-        request's factor ``f_r`` and its confidence factor ``c(q_r)`` as ``decide`` reads them
-        (``draft_confidence``). ``per_request=False``: the shape's estimate ``E`` alone, the
+        ``1 + f_r * c(q_r) * (E_r - 1)`` capped at what a step of the shape can emit, the
+        request's factor ``f_r``, its confidence factor ``c(q_r)`` and the shape's estimate
+        under its draft's first layer ``E_r`` as ``decide`` reads them (``draft_confidence``,
+        ``draft_first_layer``). ``per_request=False``: the shape's estimate ``E`` alone, the
         same for every request, as the policy predicted before it kept anything per request
         or per step (the lab's acceptance error measures the two against each other)."""
         emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
@@ -508,11 +534,48 @@ class Policy:
             return np.tile(np.asarray(emitted), (len(request_ids), 1))
         levels = self._levels(request_ids)  # [batch]
         scaled = self._confidence_factors(request_ids, confidence)  # [batch] or None
-        if scaled is not None:
-            levels = [f * c for f, c in zip(levels, scaled, strict=True)]
-        gains = np.asarray(levels)[:, None]  # [batch, 1]
         expected = np.asarray(emitted)[None, :]  # [1, candidates]
+        if scaled is not None:
+            assert confidence is not None
+            levels = [f * c for f, c in zip(levels, scaled, strict=True)]
+            expected = np.asarray(self._rows(confidence, emitted))  # [batch, candidates]
+        gains = np.asarray(levels)[:, None]  # [batch, 1]
         return np.clip(1.0 + gains * (expected - 1.0), 1.0, np.asarray(self._max_emitted))
+
+    def _rows(
+        self, confidence: Sequence[FirstLayer | None], emitted: list[float]
+    ) -> list[list[float]]:
+        """``[batch][candidates]`` each request's expected emitted tokens before its factors:
+        under its draft's first layer where that is known (``1 + q @ W``,
+        ``AcceptanceEstimator.first_layer_weights``, times the shape's correction factor,
+        capped in order as ``_in_order`` does; a rank past what the engine handed over counts
+        nothing; with ``draft_first_layer`` off, the first layer is not read), ``emitted`` (the
+        shapes' estimates, ``[candidates]``) where not."""
+        known = [q for q in confidence if q is not None]
+        if not self.config.draft_first_layer or not known:
+            return [emitted] * len(confidence)
+        weights = self.acceptance.first_layer_weights(self.candidates)  # [ranks, candidates]
+        width = weights.shape[0]
+        layers = np.zeros((len(known), width))  # [known, ranks]
+        for i, q in enumerate(known):
+            n = min(len(q), width)
+            layers[i, :n] = q[:n]
+        rows = (1.0 + layers @ weights) * self._corrections()  # [known, candidates]
+        rows = np.clip(rows, 1.0, self._max_emitted_array)
+        ceiling = np.where(self._dominated_by[None, :, :], rows[:, None, :], np.inf).min(axis=2)
+        computed = iter(np.minimum(rows, ceiling).tolist())
+        return [emitted if q is None else next(computed) for q in confidence]
+
+    def _corrections(self) -> np.ndarray:
+        """``[candidates]`` each shape's correction factor (1 without speculation), kept until
+        the estimator refreshes."""
+        revision, kept = self._kept_corrections
+        if revision != self.acceptance.revision:
+            kept = np.array(
+                [self.acceptance.correction(s) if s.speculative else 1.0 for s in self.candidates]
+            )
+            self._kept_corrections = (self.acceptance.revision, kept)
+        return kept
 
     def _levels(self, request_ids: Sequence[str]) -> list[float]:
         """``[batch]`` each request's acceptance factor (``RequestAcceptance``)."""

@@ -55,6 +55,7 @@ import numpy as np
 
 from sglang_adatree.config import AdaTreeConfig
 from sglang_adatree.core.acceptance import AcceptedPathStats
+from sglang_adatree.core.confidence import FirstLayer
 from sglang_adatree.core.controller import BatchView, StepController, StepOutcome
 from sglang_adatree.core.cost_model import StepTimeModel
 from sglang_adatree.core.features import StepFeatures
@@ -500,14 +501,12 @@ def oracle_chooser(
     return choose
 
 
-def confidence_column(traces: TraceSet) -> int | None:
-    """The column of ``traces`` whose draft expectation is the draft's confidence in its first
-    token (the one-token chain's: one node, its probability); None where the traces hold no
-    such thing. Parametric traces draw each position's acceptance apart from any confidence
-    (theirs is one value per request class, which would tell the class): none there."""
-    if traces.kind != "exact" or CHAIN_1 not in traces.shapes:
-        return None
-    return traces.column(CHAIN_1)
+def hands_first_layer(traces: TraceSet) -> bool:
+    """Whether ``traces`` hand the step controller the draft's first layer at each position, as
+    the engine does on a CPU (``core.confidence``): exact traces keep it. Parametric traces draw
+    each position's acceptance apart from any draft probabilities (their draft's expectation is
+    one value per request class, which would tell the class): none there."""
+    return traces.kind == "exact" and all(r.first_layer is not None for r in traces.requests)
 
 
 class ControllerChooser:
@@ -531,7 +530,7 @@ class ControllerChooser:
         self.charge_catch_up = True
         self.refits = True  # hand the controller its refits, as the control poller would
         self.estimates = _EstimateTally()
-        self._confidence_column = confidence_column(traces)
+        self._first_layer = hands_first_layer(traces)
         # adatree's policy's speculative candidates, and their columns in the traces.
         policy = controller.policy
         self._speculative = (
@@ -544,13 +543,12 @@ class ControllerChooser:
     def __call__(self, batch: list[_Request], features: StepFeatures):
         if self.before_begin is not None:
             self.before_begin(batch)
-        column = self._confidence_column
         view = BatchView(
             tuple(r.id for r in batch),
             tuple(r.trace.prompt_len + r.position for r in batch),
-            None
-            if column is None
-            else tuple(float(r.trace.draft_expected[r.position, column]) for r in batch),
+            tuple(tuple(r.trace.first_layer[r.position].tolist()) for r in batch)
+            if self._first_layer
+            else None,
         )
         ticket = self.controller.begin(view)
         shape = ticket.decision.shape
@@ -586,7 +584,7 @@ class ControllerChooser:
         self,
         batch: list[_Request],
         request_ids: Sequence[str],
-        confidence: Sequence[float | None] | None,
+        confidence: Sequence[FirstLayer | None] | None,
     ) -> None:
         """Tally every speculative candidate's prediction for each request of this step, as
         the decision read it, against what the traces say the request would emit under it."""
@@ -600,10 +598,9 @@ class ControllerChooser:
         predicted = policy.request_emitted(request_ids, confidence)[:, which]
         shape_only = policy.request_emitted(request_ids, per_request=False)[:, which]
         # Each request and the bin of its draft's confidence, as the policy's bins cut it.
-        column = self._confidence_column
         keys = []
         for rid, r in zip(request_ids, batch, strict=True):
-            q = None if column is None else float(r.trace.draft_expected[r.position, column])
+            q = float(r.trace.first_layer[r.position, 0]) if self._first_layer else None
             keys.append((rid, -1 if q is None else policy.confidence.bin(q)))
         self.estimates.add_candidates(predicted, shape_only, would, keys)
 
@@ -612,7 +609,7 @@ class ControllerChooser:
         batch: list[_Request],
         features: StepFeatures,
         request_ids: Sequence[str],
-        confidence: Sequence[float | None] | None,
+        confidence: Sequence[FirstLayer | None] | None,
     ) -> None:
         """Tally the speculative shape the policy predicted best on a step it serves without
         speculation (from the draft confidence the decision read), against what the traces say

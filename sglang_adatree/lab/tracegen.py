@@ -52,7 +52,7 @@ from sglang_adatree.lab.traces import RequestTrace, TraceSet
 from sglang_adatree.lab.tree_replay import expand, verify
 
 # Bump when a trace built from the same inputs would come out different.
-TRACEGEN_VERSION = 1
+TRACEGEN_VERSION = 2
 TRACES_FILE = "traces.npz"
 MANIFEST_FILE = "manifest.json"
 # The files of a model folder that decide what it computes (weights, config, tokenizer).
@@ -240,6 +240,9 @@ def trace_request(
     children = np.zeros((answer_len, len(shapes), depth), dtype=np.int8)
     ranks = np.full((answer_len, len(shapes), depth), -1, dtype=np.int8)
     expected = np.zeros((answer_len, len(shapes)), dtype=np.float32)
+    # The draft's first layer as the engine relays it: the widest top-k of the shapes.
+    width = max((s.topk for s in shapes if s.speculative), default=1)
+    first = np.zeros((answer_len, width), dtype=np.float32)
     speculative = [j for j, s in enumerate(shapes) if s.speculative]
     if answer_len >= 2 and speculative:
         ctx, out = runner.context(torch.tensor(tokens), hidden)
@@ -248,6 +251,8 @@ def trace_request(
         first_out = out[root]  # [rows, hidden]
         first_logits = runner.logits(first_out)
         first_hidden = first_out if runner.reads_hidden else None
+        # SGLang's drafts rank by probability (softmax, then top-k), as ``tree_replay.expand``.
+        first[1:] = torch.topk(torch.softmax(first_logits, dim=-1), width).values.numpy()
         answer_t = torch.tensor([*answer, *([-1] * depth)])
         targets = answer_t[position[:, None] + torch.arange(depth)]  # [rows, depth]
         remaining = answer_len - position
@@ -266,7 +271,7 @@ def trace_request(
                 ranks[1:, j, :s] = outcome.accepted_rank.numpy()
                 expected[1:, j] = outcome.draft_expected.numpy()
     return TracedRequest(
-        RequestTrace(request_id, prompt_len, emitted, children, ranks, expected),
+        RequestTrace(request_id, prompt_len, emitted, children, ranks, expected, first),
         RequestTokens(tuple(prompt_ids), tuple(answer), mismatches),
     )
 
@@ -296,6 +301,7 @@ def _save_request(path: Path, traced: TracedRequest) -> None:
         num_children=t.num_children,
         accepted_rank=t.accepted_rank,
         draft_expected=t.draft_expected,
+        first_layer=t.first_layer,
         prompt_ids=np.asarray(tokens.prompt_ids, dtype=np.int64),
         answer_ids=np.asarray(tokens.answer_ids, dtype=np.int64),
         teacher_mismatches=np.asarray(tokens.teacher_mismatches, dtype=np.int64),
@@ -313,6 +319,7 @@ def _load_request(folder: Path, index: int, request_id: str) -> TracedRequest:
                 num_children=data["num_children"],
                 accepted_rank=data["accepted_rank"],
                 draft_expected=data["draft_expected"],
+                first_layer=data["first_layer"],
             ),
             RequestTokens(
                 tuple(int(t) for t in data["prompt_ids"]),

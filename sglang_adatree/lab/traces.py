@@ -14,8 +14,10 @@ are capped at what is left of the answer, ``answer_len - p``.
 Each row also keeps what the serving loop would learn from that step: the accepted path's
 ``num_children`` and ``accepted_rank`` per depth (``core.acceptance.AcceptedPathStats`` for one
 request), and the draft's own expectation of its tree (the sum of the kept nodes' values, the
-product of draft probabilities along each node's path), so a policy that reads draft
-confidence can be replayed too.
+product of draft probabilities along each node's path). An exact trace also keeps the draft's
+first layer at each position (its top-k probabilities for the step's first token, as the engine
+hands them to the step controller), so a policy that reads the draft's confidence can be
+replayed too.
 
 A trace set is ``exact`` (built from a real draft / target pair: ``lab.tracegen``) or
 ``parametric`` (drawn from per-depth, per-rank acceptance hazards: ``parametric``, for pairs
@@ -35,7 +37,7 @@ from sglang_adatree.core.acceptance import AcceptedPathStats
 from sglang_adatree.core.shapes import TreeShape
 
 KINDS = ("exact", "parametric")
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,20 @@ class RequestTrace:
     num_children: np.ndarray  # [answer_len, shapes, depth] int8; 0 past the path's end
     accepted_rank: np.ndarray  # [answer_len, shapes, depth] int8; -1 where nothing accepted
     draft_expected: np.ndarray  # [answer_len, shapes] float32; the draft's expected accepted
+    # [answer_len, top-k] float32: the draft's first layer at each position (its top-k
+    # probabilities for the step's first token, descending; ``core.confidence.FirstLayer``);
+    # None where the trace keeps none (parametric traces).
+    first_layer: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n, s = self.emitted.shape
         assert self.num_children.shape[:2] == (n, s), "num_children must be [answer, shapes, d]"
         assert self.accepted_rank.shape == self.num_children.shape, "paths must share a shape"
         assert self.draft_expected.shape == (n, s), "draft_expected must be [answer, shapes]"
+        if self.first_layer is not None:
+            assert self.first_layer.ndim == 2 and self.first_layer.shape[0] == n, (
+                "first_layer must be [answer, top-k]"
+            )
         if n < 1 or self.prompt_len < 1:
             raise ValueError(f"request {self.request_id}: empty prompt or answer")
 
@@ -146,6 +156,8 @@ class TraceSet:
             arrays[f"children_{i}"] = r.num_children
             arrays[f"rank_{i}"] = r.accepted_rank
             arrays[f"expected_{i}"] = r.draft_expected
+            if r.first_layer is not None:
+                arrays[f"first_{i}"] = r.first_layer
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, **arrays)
@@ -165,6 +177,7 @@ class TraceSet:
                     num_children=data[f"children_{i}"],
                     accepted_rank=data[f"rank_{i}"],
                     draft_expected=data[f"expected_{i}"],
+                    first_layer=data.get(f"first_{i}"),
                 )
                 for i, meta in enumerate(header["requests"])
             )

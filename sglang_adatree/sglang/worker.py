@@ -304,19 +304,25 @@ class AdaTreeWorkerMixin:
         # the result and with it the step's own ticket; this call carries neither.
         return None
 
-    def _draft_confidence(self, batch: Any) -> tuple[float, ...] | None:
-        """``[batch]`` the draft's probability of the first token it will propose for each
-        request (``core.confidence``): the top-1 of the top-k its extend relayed to this step.
-        A request whose extend was skipped holds a placeholder there, which the controller
-        does not read. On a GPU None: reading it before the decision would wait for the step
-        before to finish, which overlap scheduling runs beside this one's launch. None on the
-        ranks other than 0 too: only rank 0's controller decides."""
+    def _draft_confidence(self, batch: Any) -> tuple[tuple[float, ...], ...] | None:
+        """``[batch]`` the draft's first layer for each request (``core.confidence``): the
+        probabilities of the top-k tokens it will propose first, the top-k its extend relayed
+        to this step (descending; the first is its confidence). A request whose extend was
+        skipped holds a placeholder there, which the controller does not read. On a GPU None:
+        reading it before the decision would wait for the step before to finish, which overlap
+        scheduling runs beside this one's launch. None on the ranks other than 0 too: only
+        rank 0's controller decides."""
         if self._loop is None or not self._on_cpu or not self._config.draft_confidence:
             return None
         topk_p = getattr(batch.spec_info, "topk_p", None)  # [batch, relay top-k], descending
-        if topk_p is None or topk_p.dim() != 2 or topk_p.shape[0] != len(batch.reqs):
+        if (
+            topk_p is None
+            or topk_p.dim() != 2
+            or topk_p.shape[0] != len(batch.reqs)
+            or topk_p.shape[1] < 1
+        ):
             return None
-        return tuple(topk_p[:, 0].tolist())
+        return tuple(tuple(row) for row in topk_p.tolist())
 
     def _decode_step(self, run_step: Any, batch: Any, on_publish: Any = None) -> Any:
         # On a CPU the step's wall time, decision and bookkeeping included, is its cost, and
