@@ -34,6 +34,12 @@ def test_a_bin_factor_is_its_ratio_shrunk_towards_one():
     assert table.factor(0.55) == pytest.approx((0.5 + 2) / (1 + 2))
 
 
+def test_a_bins_factor_is_a_ratio_of_sums():
+    table = ConfidenceAcceptance(prior_steps=0.0, keep=1.0)
+    table.observe([0.05, 0.06], [2, 0], [0.1, 1.0])  # one lucky step expected to accept little
+    assert table.factor(0.05) == pytest.approx(2 / 1.1)
+
+
 def test_bins_are_validated():
     with pytest.raises(ValueError):
         ConfidenceAcceptance(edges=(0.5, 0.2))

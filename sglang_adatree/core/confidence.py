@@ -22,9 +22,10 @@ number per step does not have to stand for every shape
 
 ``ConfidenceAcceptance`` keeps a factor on the expected accepted draft tokens for each bin of
 the confidence (``BIN_EDGES``), learnt from the speculative steps whose confidence was known:
-the ratio of the draft tokens a request accepted to those expected of it (its expectation
-under the shape before this factor, times its request's factor), each bin shrunk towards 1 by
-``PRIOR_STEPS`` pseudo-steps and its older evidence kept ``KEEP`` per observation so that it
+the ratio of the draft tokens its requests accepted to those expected of them (each one's
+expectation under the shape before this factor, times its request's factor; a ratio of sums,
+as ``acceptance.RequestAcceptance``'s), each bin shrunk towards 1 by ``PRIOR_STEPS``
+pseudo-steps and its older evidence kept ``KEEP`` per observation so that it
 follows a change of workload. It takes up how far the draft's probabilities are off as a
 whole, as where the draft is very unsure and its second choice fails as well. A request's
 expectation for the step is ``1 + f_r * c(q_r) * (E_r(shape) - 1)``, ``E_r`` the shape's
@@ -68,7 +69,8 @@ class ConfidenceAcceptance:
         self.edges = tuple(edges)
         self.prior_steps = prior_steps
         self.keep = keep
-        self._ratio_sum = [0.0] * (len(self.edges) + 1)  # [bins]
+        self._accepted = [0.0] * (len(self.edges) + 1)  # [bins]
+        self._expected = [0.0] * (len(self.edges) + 1)  # [bins]
         self._weight = [0.0] * (len(self.edges) + 1)  # [bins]
 
     def bin(self, confidence: float) -> int:
@@ -78,8 +80,14 @@ class ConfidenceAcceptance:
         """The factor for a request whose draft confidence is ``confidence`` (None: unknown)."""
         if confidence is None:
             return 1.0
-        b = self.bin(confidence)
-        return (self._ratio_sum[b] + self.prior_steps) / (self._weight[b] + self.prior_steps)
+        return self._factor(self.bin(confidence))
+
+    def _factor(self, b: int) -> float:
+        """Bin ``b``'s ratio of accepted to expected draft tokens, shrunk towards 1 by
+        ``prior_steps`` pseudo-steps against its (decayed) verify steps."""
+        w = self._weight[b]
+        ratio = self._accepted[b] / self._expected[b] if self._expected[b] > 0.0 else 1.0
+        return (w * ratio + self.prior_steps) / (w + self.prior_steps)
 
     def factors(self, confidences: Sequence[float | None]) -> list[float]:
         """``[batch]`` factors."""
@@ -98,13 +106,11 @@ class ConfidenceAcceptance:
             if q is None or e <= 0.0:
                 continue
             b = self.bin(q)
-            self._ratio_sum[b] = self.keep * self._ratio_sum[b] + a / e
+            self._accepted[b] = self.keep * self._accepted[b] + a
+            self._expected[b] = self.keep * self._expected[b] + e
             self._weight[b] = self.keep * self._weight[b] + 1.0
 
     def table(self) -> list[tuple[float, float, float]]:
         """``(upper edge, factor, weight)`` per bin, for reports."""
         uppers = (*self.edges, 1.0)
-        return [
-            (hi, (s + self.prior_steps) / (w + self.prior_steps), w)
-            for hi, s, w in zip(uppers, self._ratio_sum, self._weight, strict=True)
-        ]
+        return [(hi, self._factor(b), self._weight[b]) for b, hi in enumerate(uppers)]
