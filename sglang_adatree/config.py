@@ -269,11 +269,11 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "draft_first_layer",
-        True,
+        False,
         "true / false",
-        "price each request under each shape with the first depth's hazards set from the "
-        "draft's top-k at its next token (its first layer), where the engine hands it over "
-        "and draft_confidence is on (core.confidence)",
+        "price each request under each shape with its tree's first-layer branches weighed by "
+        "the draft's top-k probabilities at its next token (its first layer), where the engine "
+        "hands it over and draft_confidence is on (core.confidence)",
         _bool,
     ),
     Setting(

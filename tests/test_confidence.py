@@ -34,10 +34,13 @@ def test_a_bin_factor_is_its_ratio_shrunk_towards_one():
     assert table.factor(0.55) == pytest.approx((0.5 + 2) / (1 + 2))
 
 
-def test_a_bins_factor_is_a_ratio_of_sums():
-    table = ConfidenceAcceptance(prior_steps=0.0, keep=1.0)
+def test_a_bins_factor_is_a_ratio_of_sums_under_the_first_layer():
+    table = ConfidenceAcceptance(prior_steps=0.0, keep=1.0, ratio_of_sums=True)
     table.observe([0.05, 0.06], [2, 0], [0.1, 1.0])  # one lucky step expected to accept little
     assert table.factor(0.05) == pytest.approx(2 / 1.1)
+    mean = ConfidenceAcceptance(prior_steps=0.0, keep=1.0)  # the default: each step's ratio
+    mean.observe([0.05, 0.06], [2, 0], [0.1, 1.0])
+    assert mean.factor(0.05) == pytest.approx(10.0)
 
 
 def test_bins_are_validated():
@@ -52,9 +55,10 @@ def test_the_confidence_is_the_first_layers_top_1():
 
 
 def first_layer_policy(**settings):
-    """Chains and trees at the estimator's prior acceptance, no request measured yet: the first
-    layer alone tells two requests apart."""
+    """Chains and trees at the estimator's prior acceptance, no request measured yet, the first
+    layer read (``draft_first_layer``, off by default): it alone tells two requests apart."""
     shapes = (NO_SPEC, CHAIN, TreeShape(3, 1, 4), TreeShape(2, 2, 4), TreeShape(3, 4, 8))
+    settings.setdefault("draft_first_layer", True)
     return make_policy(prior=0.5, candidate_shapes=shapes, **settings)
 
 
@@ -127,9 +131,6 @@ def test_a_dip_is_charged_the_catch_up_a_decline_puts_before_the_next_speculativ
     accepted = np.where(qs > 0.9, True, np.where(qs < 0.1, False, rng.random(600) < 0.3))
 
     def speculating(**settings):
-        # The draft's probabilities here are not its acceptance (a middling one accepts 30%):
-        # the factor per tenth alone sets each bin's expectation.
-        settings.setdefault("draft_first_layer", False)
         policy = chain_gaining(0.20, new_batch_steps=0, min_gain=0.0, **settings)
         chain_steps(policy, qs, accepted)
         assert policy.decide(batch(1), ["x"], [(0.95,)]).shape == CHAIN

@@ -15,13 +15,18 @@ def test_a_request_factor_is_its_ratio_shrunk_towards_one():
     assert requests.factor("a") == pytest.approx((1 + 2) / (0.5 + 2))
 
 
-def test_a_request_factor_is_a_ratio_of_sums_so_a_step_expected_to_accept_little_moves_it_little():
-    requests = RequestAcceptance(prior_steps=0.0, keep=0.999)
+def test_under_the_first_layer_a_request_factor_is_a_ratio_of_sums():
+    requests = RequestAcceptance(prior_steps=0.0, keep=0.999, ratio_of_sums=True)
     # A draft unsure of its first token: a tenth of a token expected, two accepted; then a step
     # that expected one and accepted none. Each step's own ratio would average (20 + 0) / 2.
     requests.observe(["a"], [2], expected=[0.1])
     requests.observe(["a"], [0], expected=[1.0])
     assert requests.factor("a") == pytest.approx(0.999 * 2 / (0.999 * 0.1 + 1.0))
+    # The mean of each step's ratio, the default, where every step expects about as much.
+    mean = RequestAcceptance(prior_steps=0.0, keep=0.999)
+    mean.observe(["a"], [2], expected=[0.1])
+    mean.observe(["a"], [0], expected=[1.0])
+    assert mean.factor("a") == pytest.approx(0.999 * 20 / 1.999)
 
 
 def test_a_request_never_verified_is_the_estimators_even_without_a_prior():

@@ -512,6 +512,7 @@ SPREAD_MIN_REQUESTS = 3.0  # of those weights, over requests that verified two s
 
 @dataclass
 class _RequestEvidence:
+    ratio_sum: float = 0.0  # decayed sum of accepted / expected accepted over verify steps
     accepted: float = 0.0  # decayed sum of accepted draft tokens over verify steps
     expected: float = 0.0  # decayed sum of those expected of the request there
     weight: float = 0.0  # decayed number of those steps
@@ -543,11 +544,12 @@ class RequestAcceptance:
     ``E`` the estimator's expected emitted tokens. A request's factor ``f_r`` is the ratio of the
     draft tokens it accepted to those the estimator expected of it, over its recent verify steps
     (each older step's weight kept ``keep`` per step), shrunk towards 1 by ``prior_steps``
-    pseudo-steps: a new request is the estimator's, a few steps make it its own. The ratio is
-    of the sums, not the mean of each step's: a step expected to accept a tenth of a token (a
-    draft unsure of its first token, ``core.confidence``) that accepts two would otherwise move
-    the factor twenty times as far as a step that expected one. The batch needs only the mean
-    factor, since the expectation is linear in it.
+    pseudo-steps: a new request is the estimator's, a few steps make it its own. The ratio is the
+    mean of each step's, or with ``ratio_of_sums`` the ratio of the sums: where a step can be
+    expected to accept a tenth of a token (a draft unsure of its first token under the draft's
+    first layer, ``core.confidence``), one that accepts two would move the mean twenty times as
+    far as a step that expected one. The batch needs only the mean factor, since the
+    expectation is linear in it.
 
     A step that verifies nothing for a request (no speculation) ages its evidence as a verify
     step would (``age``): a factor pulled down by an unlucky streak would otherwise price every
@@ -559,11 +561,18 @@ class RequestAcceptance:
     steps would tell (``policy.Policy``'s probe).
     """
 
-    def __init__(self, prior_steps: float, keep: float, max_requests: int = 4096) -> None:
+    def __init__(
+        self,
+        prior_steps: float,
+        keep: float,
+        max_requests: int = 4096,
+        ratio_of_sums: bool = False,
+    ) -> None:
         if prior_steps < 0 or not 0.0 <= keep < 1.0:
             raise ValueError(f"bad request acceptance settings: {prior_steps=}, {keep=}")
         self.prior_steps = prior_steps
         self.keep = keep
+        self.ratio_of_sums = ratio_of_sums
         self.max_requests = max_requests
         self._evidence: dict[str, _RequestEvidence] = {}
         self._counter = 0
@@ -576,6 +585,8 @@ class RequestAcceptance:
         e = self._evidence.get(request_id)
         if e is None or e.weight + self.prior_steps <= 0.0:  # nothing verified, no prior
             return 1.0
+        if not self.ratio_of_sums:
+            return (e.ratio_sum + self.prior_steps) / (e.weight + self.prior_steps)
         ratio = e.accepted / e.expected if e.expected > 0.0 else 1.0
         return (e.weight * ratio + self.prior_steps) / (e.weight + self.prior_steps)
 
@@ -602,6 +613,7 @@ class RequestAcceptance:
             if e is None:
                 e = self._evidence[request_id] = _RequestEvidence()
             ratio = a / x
+            e.ratio_sum = self.keep * e.ratio_sum + ratio
             e.accepted = self.keep * e.accepted + a
             e.expected = self.keep * e.expected + x
             e.weight = self.keep * e.weight + 1.0
@@ -620,6 +632,7 @@ class RequestAcceptance:
             e = self._evidence.get(request_id)
             if e is None:
                 e = self._evidence[request_id] = _RequestEvidence()
+            e.ratio_sum *= self.keep
             e.accepted *= self.keep
             e.expected *= self.keep
             e.weight *= self.keep

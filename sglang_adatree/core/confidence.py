@@ -14,23 +14,27 @@ The engine hands over the whole relayed top-k, the **draft's first layer**: per 
 drafts only the top-1 token at the first depth, a tree also the tokens ranked after it, and
 their chances fall with the top-1's: where the draft is unsure of its best guess, a tree's
 second-ranked tokens carry it and a chain has nothing else; where it is sure, a chain's deep
-tokens follow. The policy prices each request under each shape by the tree the estimates keep
-(the positional model, ``core.acceptance``), each first-layer branch weighed by the draft's
-own probability of its first token (``AcceptanceEstimator.first_layer_weights``), so one
-number per step does not have to stand for every shape
-(``docs/notes/2026-12-07-what-the-grid-can-give.md``).
+tokens follow. With ``draft_first_layer`` the policy prices each request under each shape by
+the tree the estimates keep (the positional model, ``core.acceptance``), each first-layer
+branch weighed by the draft's own probability of its first token
+(``AcceptanceEstimator.first_layer_weights``), so one number per step does not have to stand
+for every shape. It is off by default: in the lab it gains where speculation costs well over a
+plain decode, and served on a CPU where it costs little it ran behind the top-1 alone
+(``docs/notes/2026-12-07-the-drafts-first-layer.md``).
 
 ``ConfidenceAcceptance`` keeps a factor on the expected accepted draft tokens for each bin of
 the confidence (``BIN_EDGES``), learnt from the speculative steps whose confidence was known:
 the ratio of the draft tokens its requests accepted to those expected of them (each one's
-expectation under the shape before this factor, times its request's factor; a ratio of sums,
-as ``acceptance.RequestAcceptance``'s), each bin shrunk towards 1 by ``PRIOR_STEPS``
+expectation under the shape before this factor, times its request's factor; the mean of each
+step's ratio, or under the draft's first layer the ratio of the sums, as
+``acceptance.RequestAcceptance``'s), each bin shrunk towards 1 by ``PRIOR_STEPS``
 pseudo-steps and its older evidence kept ``KEEP`` per observation so that it
 follows a change of workload. It takes up how far the draft's probabilities are off as a
 whole, as where the draft is very unsure and its second choice fails as well. A request's
 expectation for the step is ``1 + f_r * c(q_r) * (E_r(shape) - 1)``, ``E_r`` the shape's
-estimate under the request's first layer; a request whose draft is behind (after a step without
-speculation) has no first layer, ``E_r = E`` and ``c = 1``.
+estimate under the request's first layer (``E``, the shape's estimate, without
+``draft_first_layer``); a request whose draft is behind (after a step without speculation) has
+no first layer, ``E_r = E`` and ``c = 1``.
 """
 
 from __future__ import annotations
@@ -63,12 +67,15 @@ class ConfidenceAcceptance:
         edges: Sequence[float] = BIN_EDGES,
         prior_steps: float = PRIOR_STEPS,
         keep: float = KEEP,
+        ratio_of_sums: bool = False,
     ) -> None:
         if list(edges) != sorted(edges) or prior_steps < 0 or not 0.0 < keep <= 1.0:
             raise ValueError(f"bad confidence settings: {edges=}, {prior_steps=}, {keep=}")
         self.edges = tuple(edges)
         self.prior_steps = prior_steps
         self.keep = keep
+        self.ratio_of_sums = ratio_of_sums
+        self._ratio_sum = [0.0] * (len(self.edges) + 1)  # [bins]
         self._accepted = [0.0] * (len(self.edges) + 1)  # [bins]
         self._expected = [0.0] * (len(self.edges) + 1)  # [bins]
         self._weight = [0.0] * (len(self.edges) + 1)  # [bins]
@@ -83,9 +90,12 @@ class ConfidenceAcceptance:
         return self._factor(self.bin(confidence))
 
     def _factor(self, b: int) -> float:
-        """Bin ``b``'s ratio of accepted to expected draft tokens, shrunk towards 1 by
-        ``prior_steps`` pseudo-steps against its (decayed) verify steps."""
+        """Bin ``b``'s ratio of accepted to expected draft tokens (the mean of its steps', or
+        with ``ratio_of_sums`` the ratio of their sums), shrunk towards 1 by ``prior_steps``
+        pseudo-steps against its (decayed) verify steps."""
         w = self._weight[b]
+        if not self.ratio_of_sums:
+            return (self._ratio_sum[b] + self.prior_steps) / (w + self.prior_steps)
         ratio = self._accepted[b] / self._expected[b] if self._expected[b] > 0.0 else 1.0
         return (w * ratio + self.prior_steps) / (w + self.prior_steps)
 
@@ -106,6 +116,7 @@ class ConfidenceAcceptance:
             if q is None or e <= 0.0:
                 continue
             b = self.bin(q)
+            self._ratio_sum[b] = self.keep * self._ratio_sum[b] + a / e
             self._accepted[b] = self.keep * self._accepted[b] + a
             self._expected[b] = self.keep * self._expected[b] + e
             self._weight[b] = self.keep * self._weight[b] + 1.0

@@ -69,11 +69,12 @@ Every step, whatever its source, reads each shape's expected emitted tokens capp
 every shape that dominates it (``_in_order``): the estimates never rank a chain above the tree
 that holds it. A batch's expectation scales them by its requests' own acceptance factors
 (``RequestAcceptance``). For requests whose draft's first layer (its top-k probabilities at
-the next token) is known, each shape's tree is priced with each first-layer branch weighed by
-the draft's own chance of its first token (``_rows``: a tree's second-ranked tokens carry a
-step the draft is unsure of, a chain's do not) and scaled by the factor of the draft's
-confidence (``core.confidence``): then each request's expectation is capped at what the shape
-can emit before the batch's mean is taken.
+the next token) is known, each shape's estimate is scaled by the factor of the draft's
+confidence (``core.confidence``), and with ``draft_first_layer`` each shape's tree is priced
+with each first-layer branch weighed by the draft's own chance of its first token first
+(``_rows``: a tree's second-ranked tokens carry a step the draft is unsure of, a chain's do
+not): then each request's expectation is capped at what the shape can emit before the batch's
+mean is taken.
 
 The step controller adds one source of its own, ``CATCH_UP`` (``controller.StepController``): a
 step without speculation that brings the draft up to date before a speculative decision runs.
@@ -233,8 +234,13 @@ class Policy:
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
         self._explore_phase = random.Random(config.explore_seed).random()
-        self.requests = RequestAcceptance(config.request_prior_steps, config.request_keep)
-        self.confidence = ConfidenceAcceptance()
+        # Under the draft's first layer a step can expect a tenth of a token: each factor is
+        # then a ratio of sums (``RequestAcceptance``).
+        first_layer = bool(config.draft_first_layer)
+        self.requests = RequestAcceptance(
+            config.request_prior_steps, config.request_keep, ratio_of_sums=first_layer
+        )
+        self.confidence = ConfidenceAcceptance(ratio_of_sums=first_layer)
         # Per candidate: the most a step can emit; the speculative candidates, and the others.
         self._max_emitted = [s.steps + 1.0 for s in self.candidates]
         self._speculative = [i for i, s in enumerate(self.candidates) if s.speculative]
@@ -462,12 +468,20 @@ class Policy:
                     self.requests.observe(request_ids, accepted, expected)
                 else:
                     assert confidence is not None
-                    # Each request's expectation under its draft's first layer; each of the two
-                    # factors is learnt against the other: a request's level net of its steps'
-                    # confidence, a bin's net of its requests' levels.
-                    j = self._index[shape]
-                    emitted = self._in_order(self.acceptance.expected_emitted_many(self.candidates))
-                    each_expected = [row[j] - 1.0 for row in self._rows(confidence, emitted)]
+                    # Each request's expectation (under its draft's first layer with
+                    # ``draft_first_layer``); each of the two factors is learnt against the
+                    # other: a request's level net of its steps' confidence, a bin's net of its
+                    # requests' levels.
+                    if self.config.draft_first_layer:
+                        j = self._index[shape]
+                        emitted = self._in_order(
+                            self.acceptance.expected_emitted_many(self.candidates)
+                        )
+                        each_expected = [row[j] - 1.0 for row in self._rows(confidence, emitted)]
+                    else:
+                        each_expected = [self.acceptance.expected_emitted(shape) - 1.0] * len(
+                            request_ids
+                        )
                     self.requests.observe(
                         request_ids,
                         accepted,
