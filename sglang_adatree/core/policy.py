@@ -71,7 +71,7 @@ that holds it. A batch's expectation scales them by its requests' own acceptance
 (``RequestAcceptance``). For requests whose draft's first layer (its top-k probabilities at
 the next token) is known, each shape's estimate is scaled by the factor of the draft's
 confidence (``core.confidence``), and with ``draft_first_layer`` each shape's tree is priced
-with each first-layer branch weighed by the draft's own chance of its first token first
+with each first-layer branch weighed by the draft's own chance of its first token
 (``_rows``: a tree's second-ranked tokens carry a step the draft is unsure of, a chain's do
 not): then each request's expectation is capped at what the shape can emit before the batch's
 mean is taken.
