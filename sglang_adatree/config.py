@@ -182,6 +182,17 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: 0.0 <= v <= 5.0,
     ),
     Setting(
+        "explore_decline_budget",
+        0.05,
+        "[0, 1]",
+        "an exploring step taken where no speculation was chosen runs on each scheduled step "
+        "while such steps have lost at most this share of no speculation's goodput, measured; "
+        "where they lost more, on this share over their loss of the scheduled steps (1: on "
+        "every one)",
+        _float,
+        lambda v: 0.0 <= v <= 1.0,
+    ),
+    Setting(
         "explore_seed",
         0,
         ">= 0",
@@ -385,6 +396,7 @@ class AdaTreeConfig:
     explore_fraction: float = DEFAULTS["explore_fraction"]
     explore_max_loss: float = DEFAULTS["explore_max_loss"]
     explore_optimism: float = DEFAULTS["explore_optimism"]
+    explore_decline_budget: float = DEFAULTS["explore_decline_budget"]
     explore_seed: int = DEFAULTS["explore_seed"]
     warmup_steps: int = DEFAULTS["warmup_steps"]
     warmup_run_steps: int = DEFAULTS["warmup_run_steps"]

@@ -6,6 +6,7 @@ import torch
 from synthetic import SyntheticSurface, sample_path_stats, sample_steps
 
 from sglang_adatree.config import AdaTreeConfig
+from sglang_adatree.core import policy as policy_module
 from sglang_adatree.core.acceptance import AcceptanceEstimator, AcceptedPathStats
 from sglang_adatree.core.cost_model import AnalyticStepTime, OnlineCostModel, PriceSplit
 from sglang_adatree.core.cost_table import CostTable, TableGrid
@@ -422,6 +423,75 @@ def test_exploration_skips_shapes_predicted_to_lose_more_than_the_bound():
     assert excluded, "the surface must put some shapes beyond the bound"
     assert explored and all(goodput[d.shape] >= 0.7 * best for d in explored)
     assert all(policy.measured[policy.candidates.index(s)] == 0 for s in excluded)
+
+
+def explores_from_a_decline(loss: float, **settings) -> tuple[int, Policy]:
+    """Exploring steps that ran in 1,000 steps where no speculation is chosen (every shape
+    costs 5 ms and the draft is almost never right, so no speculative shape beats no
+    speculation's margin) and each exploring step is measured at ``loss`` below no
+    speculation's goodput: it accepts nothing and takes ``1 / (1 - loss)`` times the 5 ms. The
+    acceptance estimate is held still (a heavy prior, no request ids)."""
+    policy = make_policy(FLAT, prior=0.01, prior_weight=1e6, explore_fraction=0.1,
+                         explore_max_loss=1.0, **settings)  # fmt: skip
+    f = batch(1)
+    explored = 0
+    for _ in range(1000):
+        d = policy.decide(f)
+        stats = None
+        ms = 5.0
+        if d.source == "explore":
+            assert d.shape.speculative and not policy.current.speculative
+            explored += 1
+            rejected = np.full((1, d.shape.steps), -1, dtype=np.int64)
+            stats = AcceptedPathStats(np.ones((1, d.shape.steps), dtype=np.int64), rejected)
+            ms = 5.0 / (1.0 - loss)
+        else:
+            assert not d.shape.speculative
+        policy.observe(f, d.shape, ms, stats)
+    return explored, policy
+
+
+def test_exploring_from_a_decline_thins_out_where_it_has_measurably_lost():
+    # A hundred scheduled exploring steps; each loses half of no speculation's goodput.
+    explored, policy = explores_from_a_decline(0.5, explore_decline_budget=0.05)
+    assert policy.decline_explore_loss == pytest.approx(0.5, abs=0.02)
+    # The first runs, then one in ten of the schedule: 0.05 of budget over 0.5 of loss.
+    assert explored == pytest.approx(1 + 0.1 * 99, abs=2)
+    # Where they break even they run on every scheduled step, as with a budget of 1.
+    assert explores_from_a_decline(0.0, explore_decline_budget=0.05)[0] == 100
+    assert explores_from_a_decline(0.5, explore_decline_budget=1.0)[0] == 100
+    # A loss within the budget does not thin them either.
+    assert explores_from_a_decline(0.04, explore_decline_budget=0.05)[0] == 100
+
+
+def test_exploring_from_a_speculative_choice_is_never_thinned():
+    # The runner-up of a speculative choice, measured far slower than predicted, keeps its
+    # schedule: the budget bounds only exploring steps taken from a decline.
+    policy = make_policy(FLAT, prior=0.7, explore_fraction=0.1, explore_decline_budget=0.0)
+    rng = np.random.default_rng(0)
+    f = batch(1)
+    explored = 0
+    for _ in range(500):
+        d = policy.decide(f)
+        assert d.shape.speculative
+        explored += d.source == "explore"
+        paths = sample_path_stats(d.shape, 1, np.full((8, 8), 0.7), rng)
+        ms = 20.0 if d.source == "explore" else 5.0
+        policy.observe(f, d.shape, ms, AcceptedPathStats(*paths))
+    assert explored == 50 and policy.decline_explore_loss is None
+
+
+def test_a_dropped_exploring_step_teaches_nothing():
+    # An exploring step from a decline awaits the next observed step of its requests: another
+    # batch's step leaves it waiting; its requests' step of another shape (the exploring step
+    # did not run: a held decision dropped) forgets it rather than measure that shape.
+    policy = make_policy(FLAT)
+    f = batch(1)
+    policy._decline_explore = policy_module._DeclineExplore(("r",), TreeShape(1, 1, 2), 1, 5.0)
+    policy.observe(f, NO_SPEC, 5.0, None, ("s",))
+    assert policy._decline_explore is not None
+    policy.observe(f, NO_SPEC, 5.0, None, ("r",))
+    assert policy._decline_explore is None and policy.decline_explore_loss is None
 
 
 def test_exploration_schedule_is_seeded_and_evenly_spaced():

@@ -26,6 +26,16 @@ step time``. Each step, in order of precedence:
    most that share of a step: measured on a CPU, unbounded exploration spent 2% of the steps
    on trees two to four times slower than plain decoding, 3-5% of the throughput. A shape
    predicted that far off would have to be mispredicted by as much to win.
+
+   An exploring step taken where no speculation was chosen (from a decline) is also bounded by
+   what such steps have measurably lost (``_explores_from``): the prediction that makes a
+   shape eligible is the one that declined to run it, and a request declined for being hard
+   is one whose estimate is drifting back up (``RequestAcceptance.age``). Where speculation
+   never pays, as with the standalone draft on a CPU, those steps lost a quarter of no
+   speculation's goodput against about a tenth predicted, and each put a catch-up step before
+   it. Their measured loss against no speculation's predicted price is kept as a moving mean;
+   while it exceeds ``explore_decline_budget`` they run on that budget's share of it of their
+   scheduled steps (evenly, by a credit), where they break even on every one.
 4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``
@@ -195,6 +205,18 @@ class Pin:
 
 
 _STANDARD_NORMAL = NormalDist()
+# Weight of the newest exploring step from a decline in the moving mean of their loss.
+DECLINE_EXPLORE_WEIGHT = 0.2
+
+
+@dataclass(frozen=True)
+class _DeclineExplore:
+    """An exploring step decided from a decline, awaiting its outcome."""
+
+    request_ids: tuple[str, ...]
+    shape: TreeShape
+    batch_size: int
+    plain_ms: float  # no speculation's predicted time for the step
 
 
 class Policy:
@@ -234,6 +256,12 @@ class Policy:
         self._warmup_request_steps = 0  # requests' decode steps the warm-up has run
         self._warmup_end = -1  # the first step after the warm-up; -1 while it lasts
         self._explore_phase = random.Random(config.explore_seed).random()
+        # Exploring steps from a decline (``_explores_from``): the one awaiting its outcome,
+        # the moving mean of their measured loss against no speculation (None before the
+        # first), and the credit that spaces them out.
+        self._decline_explore: _DeclineExplore | None = None
+        self.decline_explore_loss: float | None = None
+        self._decline_explore_credit = 1.0
         # Under the draft's first layer a step can expect a tenth of a token: each factor is
         # then a ratio of sums (``RequestAcceptance``).
         first_layer = bool(config.draft_first_layer)
@@ -326,8 +354,12 @@ class Policy:
             probe = self._probe_shape(score, emitted, len(request_ids), probe_steps)
             if probe is not None:
                 best, source = self._index[probe], DecisionSource.PROBE
-        if self._explores(step - self._warmup_end):
+        if self._explores(step - self._warmup_end) and self._explores_from(best):
             explored = self._explored(features, times, emitted, best)
+            if explored.speculative and not self.candidates[best].speculative:
+                self._decline_explore = _DeclineExplore(
+                    tuple(request_ids), explored, features.batch_size, times[best]
+                )
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         return self._decision(self.current, source, times, emitted)
@@ -451,6 +483,8 @@ class Policy:
         """Feed back one verified step: its measured time and, if it speculated, its paths (one
         row per request of ``request_ids``, whose drafts' first layers were ``confidence``)."""
         self.cost_model.observe(features, shape, measured_ms)
+        if self._decline_explore is not None:
+            self._learn_decline_explore(shape, measured_ms, request_ids, stats)
         if stats is not None and shape.speculative:
             # The requests' level before this step, their confidence included: the shape is
             # judged against it.
@@ -635,6 +669,46 @@ class Policy:
             return self.candidates[(done // run) % len(self.candidates)]
         self._warmup_end = step
         return None
+
+    def _explores_from(self, chosen: int) -> bool:
+        """Whether a scheduled exploring step runs where ``chosen`` was decided: always from a
+        speculative shape; from a decline on the share ``explore_decline_budget`` over the
+        measured loss of such steps of the schedule (all while that loss is within the
+        budget), spaced evenly by a credit."""
+        if self.candidates[chosen].speculative:
+            return True
+        loss, budget = self.decline_explore_loss, self.config.explore_decline_budget
+        share = 1.0 if loss is None or loss <= budget else budget / loss
+        credit = self._decline_explore_credit + share
+        runs = credit >= 1.0
+        self._decline_explore_credit = credit - 1.0 if runs else credit
+        return runs
+
+    def _learn_decline_explore(
+        self,
+        shape: TreeShape,
+        measured_ms: float,
+        request_ids: Sequence[str],
+        stats: AcceptedPathStats | None,
+    ) -> None:
+        """An observed step of ``request_ids``: if it is the exploring step from a decline
+        awaiting its outcome, its loss against no speculation's predicted price joins the
+        moving mean. A different shape over the same requests means that step did not run (a
+        held decision dropped): it is forgotten."""
+        pending = self._decline_explore
+        if pending is None or pending.request_ids != tuple(request_ids):
+            return
+        self._decline_explore = None
+        if shape != pending.shape or stats is None or measured_ms <= 0.0:
+            return
+        ranks = host_lists(stats.accepted_rank)  # [batch][steps]
+        # Tokens the step emitted over the batch: each request's accepted draft tokens and one.
+        emitted = sum(sum(rank >= 0 for rank in row) + 1 for row in ranks)
+        loss = 1.0 - (emitted / measured_ms) / (pending.batch_size / pending.plain_ms)
+        old = self.decline_explore_loss
+        self.decline_explore_loss = (
+            loss if old is None else old + DECLINE_EXPLORE_WEIGHT * (loss - old)
+        )
 
     def _explores(self, k: int) -> bool:
         """True on about ``explore_fraction`` of steps, evenly spaced after the seeded phase."""
