@@ -28,14 +28,14 @@ step time``. Each step, in order of precedence:
    predicted that far off would have to be mispredicted by as much to win.
 
    An exploring step taken where no speculation was chosen (from a decline) is also bounded by
-   what such steps have measurably lost (``_explores_from``): the prediction that makes a
-   shape eligible is the one that declined to run it, and a request declined for being hard
-   is one whose estimate is drifting back up (``RequestAcceptance.age``). Where speculation
-   never pays, as with the standalone draft on a CPU, those steps lost a quarter of no
-   speculation's goodput against about a tenth predicted, and each put a catch-up step before
-   it. Their measured loss against no speculation's predicted price is kept as a moving mean;
-   while it exceeds ``explore_decline_budget`` they run on that budget's share of it of their
-   scheduled steps (evenly, by a credit), where they break even on every one.
+   what such steps have measurably lost (``_explores_from``): its predicted loss comes from the
+   estimates that declined, and a request declined for being hard has an estimate drifting
+   back up (``RequestAcceptance.age``). Where speculation never pays, as with the standalone
+   draft on a CPU, those steps lost a quarter of no speculation's goodput against about a
+   tenth predicted, each behind a catch-up step. Their measured loss against no speculation's
+   predicted price is kept as a moving mean; while it exceeds ``explore_decline_budget`` they
+   run on the budget over that loss of their scheduled steps (evenly, by a credit), and on
+   every one while it is within the budget.
 4. otherwise the goodput argmax (``MODEL`` when a trained policy version is active,
    ``FALLBACK`` for the analytic model). Speculative shapes must beat no speculation by
    ``no_spec_margin``; the current shape is kept unless the best beats it by ``min_gain``
