@@ -466,8 +466,10 @@ def test_exploring_from_a_decline_thins_out_where_it_has_measurably_lost():
 
 def test_exploring_from_a_speculative_choice_is_never_thinned():
     # The runner-up of a speculative choice, measured far slower than predicted, keeps its
-    # schedule: the budget bounds only exploring steps taken from a decline.
+    # schedule: the budget bounds only exploring steps taken from a decline, even once those
+    # are known to lose (a budget of 0 would stop every one of them).
     policy = make_policy(FLAT, prior=0.7, explore_fraction=0.1, explore_decline_budget=0.0)
+    policy.decline_explore_loss = 0.9
     rng = np.random.default_rng(0)
     f = batch(1)
     explored = 0
@@ -478,7 +480,7 @@ def test_exploring_from_a_speculative_choice_is_never_thinned():
         paths = sample_path_stats(d.shape, 1, np.full((8, 8), 0.7), rng)
         ms = 20.0 if d.source == "explore" else 5.0
         policy.observe(f, d.shape, ms, AcceptedPathStats(*paths))
-    assert explored == 50 and policy.decline_explore_loss is None
+    assert explored == 50 and policy.decline_explore_loss == 0.9
 
 
 def test_a_dropped_exploring_step_teaches_nothing():
