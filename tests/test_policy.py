@@ -489,7 +489,7 @@ def test_a_dropped_exploring_step_teaches_nothing():
     # did not run: a held decision dropped) forgets it rather than measure that shape.
     policy = make_policy(FLAT)
     f = batch(1)
-    policy._decline_explore = policy_module._DeclineExplore(("r",), TreeShape(1, 1, 2), 1, 5.0)
+    policy._decline_explore = policy_module._DeclineExplore(("r",), TreeShape(1, 1, 2), 5.0)
     policy.observe(f, NO_SPEC, 5.0, None, ("s",))
     assert policy._decline_explore is not None
     policy.observe(f, NO_SPEC, 5.0, None, ("r",))

@@ -215,7 +215,6 @@ class _DeclineExplore:
 
     request_ids: tuple[str, ...]
     shape: TreeShape
-    batch_size: int
     plain_ms: float  # no speculation's predicted time for the step
 
 
@@ -357,9 +356,7 @@ class Policy:
         if self._explores(step - self._warmup_end) and self._explores_from(best):
             explored = self._explored(features, times, emitted, best)
             if explored.speculative and not self.candidates[best].speculative:
-                self._decline_explore = _DeclineExplore(
-                    tuple(request_ids), explored, features.batch_size, times[best]
-                )
+                self._decline_explore = _DeclineExplore(tuple(request_ids), explored, times[best])
             return self._decision(explored, DecisionSource.EXPLORE, times, emitted)
         self.current = self.candidates[best]
         return self._decision(self.current, source, times, emitted)
@@ -483,8 +480,11 @@ class Policy:
         """Feed back one verified step: its measured time and, if it speculated, its paths (one
         row per request of ``request_ids``, whose drafts' first layers were ``confidence``)."""
         self.cost_model.observe(features, shape, measured_ms)
+        accepted = None  # [batch] accepted draft tokens per request, for a speculative step
+        if stats is not None and shape.speculative:
+            accepted = [sum(rank >= 0 for rank in row) for row in host_lists(stats.accepted_rank)]
         if self._decline_explore is not None:
-            self._learn_decline_explore(shape, measured_ms, request_ids, stats)
+            self._learn_decline_explore(shape, measured_ms, request_ids, accepted)
         if stats is not None and shape.speculative:
             # The requests' level before this step, their confidence included: the shape is
             # judged against it.
@@ -495,8 +495,7 @@ class Policy:
             )
             factor = sum(each) / len(each) if each else 1.0  # as RequestAcceptance.batch_factor
             if request_ids:
-                ranks = host_lists(stats.accepted_rank)  # [batch][steps]
-                accepted = [sum(rank >= 0 for rank in row) for row in ranks]  # [batch]
+                assert accepted is not None
                 if scaled is None:
                     expected = self.acceptance.expected_emitted(shape) - 1.0
                     self.requests.observe(request_ids, accepted, expected)
@@ -689,7 +688,7 @@ class Policy:
         shape: TreeShape,
         measured_ms: float,
         request_ids: Sequence[str],
-        stats: AcceptedPathStats | None,
+        accepted: list[int] | None,
     ) -> None:
         """An observed step of ``request_ids``: if it is the exploring step from a decline
         awaiting its outcome, its loss against no speculation's predicted price joins the
@@ -699,12 +698,12 @@ class Policy:
         if pending is None or pending.request_ids != tuple(request_ids):
             return
         self._decline_explore = None
-        if shape != pending.shape or stats is None or measured_ms <= 0.0:
+        if shape != pending.shape or not accepted or measured_ms <= 0.0:
             return
-        ranks = host_lists(stats.accepted_rank)  # [batch][steps]
-        # Tokens the step emitted over the batch: each request's accepted draft tokens and one.
-        emitted = sum(sum(rank >= 0 for rank in row) + 1 for row in ranks)
-        loss = 1.0 - (emitted / measured_ms) / (pending.batch_size / pending.plain_ms)
+        # Tokens the step emitted over its batch, against one per request at no speculation's
+        # price: each request's accepted draft tokens and one.
+        batch = len(accepted)
+        loss = 1.0 - ((sum(accepted) + batch) / measured_ms) / (batch / pending.plain_ms)
         old = self.decline_explore_loss
         self.decline_explore_loss = (
             loss if old is None else old + DECLINE_EXPLORE_WEIGHT * (loss - old)
